@@ -1,0 +1,460 @@
+"""Losses and estimators of the recipe: pure tensor functions, torch-only.
+
+One alignment convention for everything below: per-token tensors are ``[B, T]`` over response tokens,
+right-padded, with a bool ``mask`` of the same shape that is True on real response tokens. Policies:
+
+    logp        pi_theta, the policy being optimised (trainer, with grad)
+    old_logp    pi_old, the trainer's own recompute at the rollout weights, before any update (no grad)
+    infer_logp  pi_infer, what the rollout engine reported for the token it sampled
+    ref_logp    pi_ref, a frozen initial policy (only when a KL term is on)
+
+Functions that produce diagnostics return ``(value, metrics)``; metrics are detached 0-d tensors under
+namespaced keys, local to the tensors passed in (the trainer reduces them across ranks once per step).
+The formulas and the conventions pinned by the project are in shared/ALGORITHMS.md.
+
+    from losses import ppo_policy_loss, icepop_weights   # works in a notebook with only torch
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# exp() of a log-ratio beyond +-20 (a factor of 5e8) is never a useful ratio; clamping keeps exp finite
+# so a single wild token cannot turn the loss into inf/NaN. The IcePop band lies far inside it.
+LOG_RATIO_CLAMP = 20.0
+# Log-prob reported for a token that top-k / top-p excluded from the distribution (-inf would poison
+# ratios and gradients; -1e4 has probability 0 in fp32 yet subtracts cleanly).
+EXCLUDED_LOGP = -1e4
+# Rows of [N, V] logits handled at once by token_logprobs / entropy_from_logits: bounds the float32
+# temporaries of log-softmax to CHUNK_ROWS x V instead of B x T x V.
+CHUNK_ROWS = 1024
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _check(mask: Tensor, **tensors: Tensor) -> None:
+    """Assert the alignment convention: bool [B, T] mask, every tensor the same [B, T] shape."""
+    assert mask.dtype == torch.bool and mask.dim() == 2, f"mask must be bool [B, T], got {mask.dtype} {tuple(mask.shape)}"
+    for name, t in tensors.items():
+        assert t.shape == mask.shape, f"{name} has shape {tuple(t.shape)}, mask has {tuple(mask.shape)}"
+
+
+def _mean0(x: Tensor, mask: Tensor) -> Tensor:
+    """Masked mean as a detached metric; 0 (not NaN) when nothing is masked in."""
+    return (x * mask).sum().detach() / mask.sum().clamp_min(1)
+
+
+# ----------------------------------------------------------------------------- log-probs, entropy
+
+
+def process_logits(logits: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """The sampling distribution's logits: float32, temperature-scaled, then top-k, then top-p.
+
+    Excluded entries are -inf. top_k = 0 and top_p = 1.0 mean off. Top-p keeps the smallest set of
+    tokens whose cumulative probability (after temperature and top-k) reaches top_p, always including
+    the most likely token. The rollout engine samples from softmax of exactly this, and the trainer
+    recomputes log-probs through it, so engine and trainer share one definition.
+
+    logits: [..., V] any float dtype. Returns [..., V] float32 (a new tensor unless it is already
+    float32 with temperature 1 and no truncation).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    if top_k > 0 and top_k < x.size(-1):
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps the top token).
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Log-prob of each token under softmax(process_logits(logits, temperature, top_k, top_p)).
+
+    logits: [B, T, V] (any float dtype), aligned so logits[:, t] predicts tokens[:, t].
+    tokens: [B, T] long. Returns [B, T] float32, differentiable w.r.t. logits.
+    Works on CHUNK_ROWS rows at a time, so at most one [B, T, V] float32 copy is held (the one autograd
+    keeps for backward; none for float32 logits at temperature 1). Tokens that top-k / top-p excluded
+    get EXCLUDED_LOGP with zero gradient.
+    """
+    assert logits.dim() == 3 and tokens.shape == logits.shape[:2], f"logits {tuple(logits.shape)} vs tokens {tuple(tokens.shape)}"
+    flat_logits, flat_tokens = logits.reshape(-1, logits.size(-1)), tokens.reshape(-1, 1)
+    out = []
+    for start in range(0, flat_logits.size(0), CHUNK_ROWS):
+        x = process_logits(flat_logits[start : start + CHUNK_ROWS], temperature, top_k=top_k, top_p=top_p)
+        picked = x.gather(-1, flat_tokens[start : start + CHUNK_ROWS]).squeeze(-1)
+        out.append((picked - torch.logsumexp(x, dim=-1)).clamp_min(EXCLUDED_LOGP))
+    return torch.cat(out).view(tokens.shape) if out else flat_logits.new_zeros(tokens.shape, dtype=torch.float32)
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits / temperature) per position: [B, T, V] -> [B, T] float32 (chunked)."""
+    flat = logits.reshape(-1, logits.size(-1))
+    out = []
+    for start in range(0, flat.size(0), CHUNK_ROWS):
+        logp = torch.log_softmax(process_logits(flat[start : start + CHUNK_ROWS], temperature), dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out).view(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- masked statistics
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """sum(x * mask) / sum(mask), over all elements or along ``dim``."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum()
+    return (x * mask).sum(dim) / mask.sum(dim)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked elements (unbiased var); masked-out entries become 0."""
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    var = ((x - mean) ** 2 * mask).sum() / (n - 1).clamp_min(1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over response tokens (Schulman et al. 2016).
+
+    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1};  R_t = A_t + V_t,
+    with V = A = 0 after the last valid token. Masked positions are transparent ("skip observation",
+    verl / SAO): the recursion runs over valid tokens only, so an observation span inside a multi-turn
+    response neither breaks nor discounts the chain. With gamma = lam = 1 and a terminal reward R,
+    A_t = R - V_t; with lam = 0, A_t is the one-step TD error.
+
+    rewards, values: [B, T] float (reward on the last valid token for outcome rewards; rewards on masked
+    positions are ignored). lam: a float or a [B] tensor (per-sequence lambda, e.g. length-adaptive).
+    Returns (advantages, returns), [B, T] float32, 0 on masked positions, no grad.
+    """
+    _check(mask, rewards=rewards, values=values)
+    with torch.no_grad():
+        B, T = mask.shape
+        rewards, values, m = rewards.float(), values.float(), mask.float()
+        lam = torch.as_tensor(lam, dtype=torch.float32, device=mask.device).expand(B)
+        next_value = rewards.new_zeros(B)
+        next_adv = rewards.new_zeros(B)
+        adv = torch.zeros_like(rewards)
+        for t in reversed(range(T)):
+            delta = rewards[:, t] + gamma * next_value - values[:, t]
+            a = delta + gamma * lam * next_adv
+            adv[:, t] = a * m[:, t]
+            # A masked position passes the next valid token's value and advantage through unchanged.
+            next_value = torch.where(mask[:, t], values[:, t], next_value)
+            next_adv = torch.where(mask[:, t], a, next_adv)
+        return adv, (adv + values) * m
+
+
+def length_adaptive_lambda(lengths: Tensor, alpha: float) -> Tensor:
+    """VAPO's length-adaptive GAE lambda = 1 - 1 / (alpha * L), per sequence; [B] -> [B] float32.
+
+    VAPO (arXiv 2504.05118) uses alpha = 0.05; SAO re-implementations alpha = 1.5. Clamped to [0, 1]
+    so very short responses get lambda 0 (pure TD) rather than a negative lambda.
+    """
+    return (1.0 - 1.0 / (alpha * lengths.float().clamp_min(1))).clamp(0.0, 1.0)
+
+
+def grpo_advantages(scores: Tensor, group_size: int, norm_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """Group-relative advantages (GRPO, arXiv 2402.03300; Dr. GRPO arXiv 2503.20783 drops the std).
+
+    scores: [N] one scalar per response; groups of ``group_size`` are contiguous. A_i = (R_i - mean_group)
+    / (std_group + eps) with the unbiased std (or without the division when norm_std=False). A group of
+    size 1 has no baseline: its advantage is 0. Returns [N] float32.
+    """
+    if scores.dim() != 1 or scores.numel() % group_size:
+        raise ValueError(f"grpo_advantages: {scores.numel()} scores do not split into groups of {group_size}")
+    if group_size == 1:
+        return torch.zeros_like(scores, dtype=torch.float32)
+    g = scores.float().view(-1, group_size)
+    adv = g - g.mean(-1, keepdim=True)
+    if norm_std:
+        adv = adv / (g.std(-1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman 2020).
+
+    log r = ref_logp - logp; k1 = -log r; k2 = (log r)^2 / 2; k3 = r - 1 - log r (unbiased, >= 0).
+    Returns [B, T] (same dtype as the inputs); aggregate it with ``aggregate``.
+    """
+    log_r = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        return torch.exp(log_r) - 1 - log_r
+    raise ValueError(f"kl_estimate: unknown kind {kind!r}, expected 'k1', 'k2' or 'k3'")
+
+
+# ----------------------------------------------------------------------------- mismatch corrections
+
+
+def _train_infer_ratio(old_logp: Tensor, infer_logp: Tensor) -> Tensor:
+    """k = pi_old / pi_infer in fp32, log-ratio clamped before exp."""
+    return torch.exp((old_logp.float() - infer_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _band_metrics(k: Tensor, mask: Tensor, alpha: float, beta: float, prefix: str) -> dict[str, Tensor]:
+    low, high = (k < alpha) & mask, (k > beta) & mask
+    return {
+        f"{prefix}/masked_frac": _mean0((low | high).float(), mask),
+        f"{prefix}/masked_frac_low": _mean0(low.float(), mask),
+        f"{prefix}/masked_frac_high": _mean0(high.float(), mask),
+        f"{prefix}/seq_masked_frac": (low | high).any(-1).float().mean().detach(),
+    }
+
+
+def icepop_weights(
+    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """IcePop token weights M(k) (Ring-1T arXiv 2510.18855; GLM-5 arXiv 2602.15763).
+
+    k_t = pi_old(y_t) / pi_infer(y_t); M(k) = k if alpha <= k <= beta (inclusive) else 0. Out-of-band
+    tokens are dropped (zero gradient once multiplied into the loss), not clipped; padding gets 0.
+    Project default band [0.5, 2] (GLM-5, beta = 2); Ring-1T used [0.5, 5].
+    Returns (weights [B, T] float32, detached; metrics icepop/masked_frac, _low, _high, seq_masked_frac).
+    """
+    _check(mask, old_logp=old_logp, infer_logp=infer_logp)
+    with torch.no_grad():
+        k = _train_infer_ratio(old_logp, infer_logp)
+        keep = (k >= alpha) & (k <= beta) & mask
+        return k * keep, _band_metrics(k, mask, alpha, beta, "icepop")
+
+
+def tis_weights(
+    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, cap: float = 2.0, cap_low: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance sampling (Yao et al. 2025): weight min(k, cap), or clamp(k, cap_low, cap).
+
+    k = pi_old / pi_infer. Returns (weights [B, T] float32 detached, 0 on padding; metrics tis/clip_frac,
+    tis/weight_mean).
+    """
+    _check(mask, old_logp=old_logp, infer_logp=infer_logp)
+    with torch.no_grad():
+        k = _train_infer_ratio(old_logp, infer_logp)
+        w = k.clamp(min=cap_low, max=cap) * mask
+        clipped = ((k > cap) | ((k < cap_low) if cap_low is not None else torch.zeros_like(mask))) & mask
+        return w, {"tis/clip_frac": _mean0(clipped.float(), mask), "tis/weight_mean": _mean0(w, mask)}
+
+
+def geo_seq_mask(
+    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Sequence-level masking by the geometric-mean ratio (length-invariant).
+
+    g = (prod_t k_t)^(1/|y|) = exp(mean_t log k_t) over a sequence's valid tokens; the whole sequence is
+    dropped when g is outside [alpha, beta]. Returns (weights [B, T] float32 detached: 1 on the valid
+    tokens of kept sequences, 0 elsewhere; metrics geo/seq_masked_frac, geo/ratio_mean).
+    """
+    _check(mask, old_logp=old_logp, infer_logp=infer_logp)
+    with torch.no_grad():
+        log_k = (old_logp.float() - infer_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        g = torch.exp((log_k * mask).sum(-1) / mask.sum(-1).clamp_min(1))
+        keep = (g >= alpha) & (g <= beta)
+        weights = (keep[:, None] & mask).float()
+        return weights, {"geo/seq_masked_frac": (~keep).float().mean(), "geo/ratio_mean": g.mean()}
+
+
+def mismatch_metrics(
+    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0
+) -> dict[str, Tensor]:
+    """Train-inference mismatch diagnostics (shared/ALGORITHMS.md, "Metrics every run logs").
+
+    k = pi_old / pi_infer on tokens sampled from pi_infer: mismatch/k1 = mean(infer_logp - old_logp)
+    and mismatch/k3 = mean(k - 1 - log k) both estimate KL(pi_infer || pi_old); mean and max
+    |old_logp - infer_logp|; k min/mean/max; and the fractions the IcePop band [alpha, beta] would mask
+    (under mismatch/, whatever correction is active).
+    """
+    _check(mask, old_logp=old_logp, infer_logp=infer_logp)
+    with torch.no_grad():
+        diff = (infer_logp.float() - old_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k = torch.exp(-diff)
+        inf = torch.tensor(float("inf"), device=k.device)
+        return {
+            "mismatch/k1": _mean0(diff, mask),
+            "mismatch/k3": _mean0(k - 1 + diff, mask),
+            "mismatch/abs_diff_mean": _mean0(diff.abs(), mask),
+            "mismatch/abs_diff_max": torch.where(mask, diff.abs(), 0).max(),
+            "mismatch/ratio_min": torch.where(mask, k, inf).min(),
+            "mismatch/ratio_mean": _mean0(k, mask),
+            "mismatch/ratio_max": torch.where(mask, k, -inf).max(),
+            **_band_metrics(k, mask, alpha, beta, "mismatch"),
+        }
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def loss_denominator(mask: Tensor, agg: str, max_len: int | None = None) -> Tensor:
+    """The denominator of ``aggregate`` for a whole batch, to compute once before micro-batching.
+
+    token-mean: number of valid tokens; seq-mean-token-mean: number of sequences;
+    seq-mean-token-sum-norm (Dr. GRPO): B * L_max, L_max = max_len (the generation budget) or T.
+    Sum it over data-parallel ranks and pass it as ``num_tokens`` to every micro-batch's loss: the
+    micro-batch losses then add up to the full-batch loss, and their gradients to its gradient.
+    """
+    if agg == "token-mean":
+        return mask.sum().float()
+    if agg == "seq-mean-token-mean":
+        return torch.tensor(float(mask.size(0)), device=mask.device)
+    if agg == "seq-mean-token-sum-norm":
+        return torch.tensor(float(mask.size(0) * (max_len or mask.size(1))), device=mask.device)
+    raise ValueError(f"unknown loss aggregation {agg!r}, expected one of {AGG_MODES}")
+
+
+def aggregate(loss_tok: Tensor, mask: Tensor, agg: str = "token-mean", num_tokens: Tensor | float | None = None) -> Tensor:
+    """Reduce a [B, T] per-token loss to a scalar (shared/ALGORITHMS.md, "Loss aggregation").
+
+    token-mean: sum(m l) / N_tokens. seq-mean-token-mean: sum over sequences of each sequence's token
+    mean / N_seqs. seq-mean-token-sum-norm: sum(m l) / (B * L_max). ``num_tokens`` overrides the
+    denominator with the global one (see ``loss_denominator``); default: this batch's own.
+    """
+    _check(mask, loss_tok=loss_tok)
+    denom = loss_denominator(mask, agg) if num_tokens is None else num_tokens
+    if agg == "seq-mean-token-mean":
+        per_seq = (loss_tok * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+        return per_seq.sum() / denom
+    return (loss_tok * mask).sum() / denom
+
+
+# ----------------------------------------------------------------------------- policy and value losses
+
+
+def ppo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
+    agg: str = "token-mean",
+    num_tokens: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped PPO surrogate with clip-higher, optional dual-clip, and per-token IS weights.
+
+    r_t = exp(logp - old_logp) (log-ratio clamped); l_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low,
+    1 + clip_high)) (DAPO clip-higher: 0.2 / 0.28); with dual_clip = c > 1, for A_t < 0 also
+    l_t = min(l_t, -c A_t) (Ye et al. 2020). ``is_weights`` (detached, e.g. IcePop M(k)) multiply l_t:
+    tokens with weight 0 get exactly zero gradient but stay in the denominator (the IcePop paper's
+    1/|y|). To drop them from the denominator too (verl's rejection form), pass ``mask & (w > 0)``.
+
+    logp: [B, T] with grad; old_logp, advantages: [B, T] no grad; mask: bool [B, T].
+    Denominator: ``aggregate(agg, num_tokens)``. Returns (loss, metrics: ppo/clipfrac, ppo/dual_clipfrac,
+    ppo/approx_kl (k3 of KL(pi_old || pi_theta)), ppo/ratio_mean).
+    """
+    _check(mask, logp=logp, old_logp=old_logp, advantages=advantages)
+    log_ratio = (logp.float() - old_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.float()
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss_tok = torch.maximum(pg_unclipped, pg_clipped)
+    dual = torch.zeros_like(mask)
+    if dual_clip is not None:
+        assert dual_clip > 1, f"dual_clip must be > 1, got {dual_clip}"
+        dual = (adv < 0) & (loss_tok > -dual_clip * adv)
+        loss_tok = torch.where(dual, -dual_clip * adv, loss_tok)
+    if is_weights is not None:
+        _check(mask, is_weights=is_weights)
+        loss_tok = loss_tok * is_weights.detach()
+    loss = aggregate(loss_tok, mask, agg, num_tokens)
+    metrics = {
+        "ppo/clipfrac": _mean0((pg_clipped > pg_unclipped).float(), mask),
+        "ppo/dual_clipfrac": _mean0(dual.float(), mask),
+        "ppo/approx_kl": _mean0(ratio - 1 - log_ratio, mask),
+        "ppo/ratio_mean": _mean0(ratio, mask),
+    }
+    return loss, metrics
+
+
+def dis_policy_loss(
+    logp: Tensor,
+    infer_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    agg: str = "token-mean",
+    num_tokens: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DIS actor loss (GLM-5 agentic RL; SAO arXiv 2607.07508, the GLM-5.2 actor loss): no pi_old.
+
+    rho_t = pi_theta / pi_infer; f(rho) = rho if 1 - eps_low < rho < 1 + eps_high (strict) else 0;
+    l_t = -sg(f(rho_t) A_t) * logp_t, so in-band tokens get the importance-weighted policy gradient
+    and out-of-band tokens exactly zero gradient (and stay in the denominator).
+    Returns (loss, metrics: dis/masked_frac, dis/ratio_mean).
+    """
+    _check(mask, logp=logp, infer_logp=infer_logp, advantages=advantages)
+    with torch.no_grad():
+        rho = torch.exp((logp.float() - infer_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        in_band = (rho > 1 - eps_low) & (rho < 1 + eps_high)
+        coef = rho * in_band * advantages.float()
+    loss = aggregate(-coef * logp.float(), mask, agg, num_tokens)
+    return loss, {"dis/masked_frac": _mean0((~in_band).float(), mask), "dis/ratio_mean": _mean0(rho, mask)}
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None,
+    scale: float = 0.5,
+    agg: str = "token-mean",
+    num_tokens: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss: scale * agg(max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2)).
+
+    values: [B, T] critic output with grad; old_values: [B, T] critic output at rollout time; returns:
+    [B, T] GAE targets. clip=None disables the clipped branch. Project default scale 0.5 (verl),
+    clip 0.2 (slime). Returns (loss, metrics: critic/value_loss (the scaled loss), critic/clipfrac
+    (tokens where the clipped branch is larger), critic/value_mean).
+    """
+    _check(mask, values=values, old_values=old_values, returns=returns)
+    v, r = values.float(), returns.float()
+    err = (v - r) ** 2
+    if clip is not None:
+        v_clipped = old_values.float() + (v - old_values.float()).clamp(-clip, clip)
+        err_clipped = (v_clipped - r) ** 2
+        clipfrac = _mean0((err_clipped > err).float(), mask)
+        err = torch.maximum(err, err_clipped)
+    else:
+        clipfrac = torch.zeros((), device=mask.device)
+    loss = scale * aggregate(err, mask, agg, num_tokens)
+    return loss, {"critic/value_loss": loss.detach(), "critic/clipfrac": clipfrac, "critic/value_mean": _mean0(v, mask)}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(R - V) / Var(R) over valid tokens (0-d, detached). NaN when the returns are constant."""
+    _check(mask, values=values, returns=returns)
+    with torch.no_grad():
+        r, v = returns.float(), values.float()
+
+        def var(x: Tensor) -> Tensor:
+            return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+
+        var_r = var(r)
+        return torch.where(var_r > 0, 1 - var(r - v) / var_r, torch.full_like(var_r, float("nan")))

@@ -1,0 +1,369 @@
+"""losses.py against hand-computed cases and independent slow (loop) implementations."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import losses as L
+
+torch.manual_seed(0)
+
+
+def rand_batch(B=4, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None] < lengths[:, None]
+    return mask, lambda scale=1.0: torch.randn(B, T, generator=g) * scale
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def slow_logprob(logits_row, token, temperature, top_k, top_p):
+    """One position, written the long way: scale, sort, keep the nucleus, renormalise."""
+    x = [v / temperature for v in logits_row.tolist()]
+    order = sorted(range(len(x)), key=lambda i: -x[i])
+    keep = set(order[:top_k] if top_k else order)
+    mx = max(x)
+    z = sum(math.exp(x[i] - mx) for i in keep)
+    cum, nucleus = 0.0, set()
+    for i in order:
+        if i not in keep:
+            continue
+        if cum >= top_p:
+            break
+        nucleus.add(i)
+        cum += math.exp(x[i] - mx) / z
+    if token not in nucleus:
+        return L.EXCLUDED_LOGP
+    zn = sum(math.exp(x[i] - mx) for i in nucleus)
+    return x[token] - mx - math.log(zn)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.8, 0, 0.9), (1.0, 6, 0.7)])
+def test_token_logprobs_matches_slow(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, 11, generator=g) * 2
+    tokens = torch.randint(0, 11, (2, 5), generator=g)
+    got = L.token_logprobs(logits, tokens, temperature, top_k=top_k, top_p=top_p)
+    want = torch.tensor([[slow_logprob(logits[b, t], tokens[b, t].item(), temperature, top_k, top_p) for t in range(5)] for b in range(2)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (got == L.EXCLUDED_LOGP).any() == (top_k > 0 or top_p < 1)  # truncation really excluded a sampled token
+
+
+def test_token_logprobs_chunked_equals_unchunked_and_bf16(monkeypatch):
+    logits = torch.randn(3, 9, 17, dtype=torch.bfloat16)
+    tokens = torch.randint(0, 17, (3, 9))
+    full = L.token_logprobs(logits, tokens, 0.9)
+    monkeypatch.setattr(L, "CHUNK_ROWS", 4)
+    chunked = L.token_logprobs(logits, tokens, 0.9)
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, full, atol=0, rtol=0)
+    want = torch.log_softmax(logits.float() / 0.9, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    torch.testing.assert_close(full, want)
+
+
+def test_excluded_token_gets_floor_and_zero_grad():
+    logits = torch.tensor([[[3.0, 2.0, -1.0, -2.0]]], requires_grad=True)
+    lp = L.token_logprobs(logits, torch.tensor([[3]]), top_k=2)
+    assert lp.item() == L.EXCLUDED_LOGP
+    lp.sum().backward()
+    assert torch.all(logits.grad == 0)
+
+
+def test_entropy_from_logits():
+    logits = torch.randn(2, 3, 6)
+    p = torch.softmax(logits / 0.5, -1)
+    torch.testing.assert_close(L.entropy_from_logits(logits, 0.5), -(p * p.log()).sum(-1))
+    assert torch.allclose(L.entropy_from_logits(torch.zeros(1, 1, 8)), torch.tensor(math.log(8)))
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_masked_mean_and_whiten_hand():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    m = torch.tensor([[True, True, False], [True, False, False]])
+    assert L.masked_mean(x, m).item() == pytest.approx(2.0)
+    torch.testing.assert_close(L.masked_mean(x, m, dim=1), torch.tensor([1.5, 3.0]))
+    w = L.masked_whiten(x, m)  # values 1, 2, 3: mean 2, unbiased var 1
+    torch.testing.assert_close(w, torch.tensor([[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------- GAE
+
+
+def slow_gae(rewards, values, mask, gamma, lam):
+    """Per sequence: compress to the valid tokens, run textbook GAE, scatter back."""
+    B, T = mask.shape
+    adv, ret = torch.zeros(B, T), torch.zeros(B, T)
+    for b in range(B):
+        idx = [t for t in range(T) if mask[b, t]]
+        lam_b = float(lam[b]) if torch.is_tensor(lam) else lam
+        a_next, v_next = 0.0, 0.0
+        for t in reversed(idx):
+            delta = rewards[b, t].item() + gamma * v_next - values[b, t].item()
+            a_next = delta + gamma * lam_b * a_next
+            v_next = values[b, t].item()
+            adv[b, t], ret[b, t] = a_next, a_next + v_next
+    return adv, ret
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.5), (0.99, 0.0)])
+def test_gae_matches_slow_with_holes(gamma, lam):
+    g = torch.Generator().manual_seed(2)
+    mask = torch.rand(5, 9, generator=g) > 0.3  # holes = observation tokens inside the response
+    rewards, values = torch.randn(5, 9, generator=g) * mask, torch.randn(5, 9, generator=g)
+    adv, ret = L.gae(rewards, values, mask, gamma, lam)
+    want_adv, want_ret = slow_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(adv, want_adv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, want_ret, atol=1e-5, rtol=1e-5)
+
+
+def test_gae_per_sequence_lambda():
+    mask, r = rand_batch(4, 8, seed=3)
+    rewards, values = r() * mask, r()
+    lam = torch.tensor([0.0, 0.5, 0.9, 1.0])
+    adv, _ = L.gae(rewards, values, mask, 1.0, lam)
+    torch.testing.assert_close(adv, slow_gae(rewards, values, mask, 1.0, lam)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_gae_terminal_reward_and_td():
+    values = torch.tensor([[0.2, 0.5, 0.7, 9.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    adv, ret = L.gae(rewards, values, mask, 1.0, 1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.8, 0.5, 0.3, 0.0]]))  # A_t = R - V_t
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    adv0, _ = L.gae(rewards, values, mask, 1.0, 0.0)  # lambda 0: one-step TD errors
+    torch.testing.assert_close(adv0, torch.tensor([[0.5 - 0.2, 0.7 - 0.5, 1.0 - 0.7, 0.0]]))
+
+
+def test_length_adaptive_lambda():
+    lam = L.length_adaptive_lambda(torch.tensor([100, 20, 1]), alpha=0.05)
+    torch.testing.assert_close(lam, torch.tensor([1 - 1 / 5, 0.0, 0.0]))
+
+
+# ----------------------------------------------------------------------------- GRPO, KL
+
+
+def test_grpo_advantages_hand():
+    s = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    torch.testing.assert_close(L.grpo_advantages(s, 2), torch.tensor([0.5, -0.5, 0.0, 0.0]) / (math.sqrt(0.5) + 1e-6))
+    torch.testing.assert_close(L.grpo_advantages(s, 2, norm_std=False), torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    assert torch.equal(L.grpo_advantages(s, 1), torch.zeros(4))
+    with pytest.raises(ValueError, match="groups of 3"):
+        L.grpo_advantages(s, 3)
+
+
+def test_kl_estimators_hand():
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])  # log r = -log 2
+    lr = -math.log(2)
+    assert L.kl_estimate(logp, ref, "k1").item() == pytest.approx(-lr)
+    assert L.kl_estimate(logp, ref, "k2").item() == pytest.approx(lr**2 / 2)
+    assert L.kl_estimate(logp, ref, "k3").item() == pytest.approx(0.5 - 1 - lr)
+    with pytest.raises(ValueError, match="k4"):
+        L.kl_estimate(logp, ref, "k4")
+
+
+# ----------------------------------------------------------------------------- mismatch corrections
+
+
+def test_icepop_band_is_inclusive_and_drops_outside():
+    k = torch.tensor([[0.49, 0.5, 1.0, 2.0, 2.01, 1.0]])
+    infer = torch.zeros(1, 6)
+    old = k.log()
+    mask = torch.tensor([[True, True, True, True, True, False]])
+    w, m = L.icepop_weights(old, infer, mask, alpha=0.5, beta=2.0)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.5, 1.0, 2.0, 0.0, 0.0]]))
+    assert m["icepop/masked_frac"].item() == pytest.approx(2 / 5)
+    assert m["icepop/masked_frac_low"].item() == pytest.approx(1 / 5)
+    assert m["icepop/masked_frac_high"].item() == pytest.approx(1 / 5)
+    assert m["icepop/seq_masked_frac"].item() == 1.0
+
+
+def test_icepop_masked_and_padding_tokens_get_exactly_zero_grad():
+    mask, r = rand_batch(3, 6, seed=4)
+    old, adv = r(0.1), r()
+    infer = old + torch.tensor([0.0, 1.0, -1.0, 0.0, 2.0, 0.0]).expand(3, 6)  # k = e^0, e^-1, e^1, ..., e^-2
+    logp = (old + r(0.05)).requires_grad_()
+    w, _ = L.icepop_weights(old, infer, mask)
+    loss, _ = L.ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, is_weights=w)
+    loss.backward()
+    dropped = (w == 0)
+    assert torch.all(logp.grad[dropped] == 0)
+    assert torch.all(logp.grad[~mask] == 0)
+    assert (logp.grad[~dropped] != 0).any()
+
+
+def test_tis_and_geo_seq_mask_hand():
+    old = torch.tensor([[math.log(3.0), math.log(0.5), 0.0], [math.log(4.0), math.log(4.0), 0.0]])
+    infer = torch.zeros(2, 3)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    w, m = L.tis_weights(old, infer, mask, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 0.0], [2.0, 2.0, 1.0]]))
+    w2, _ = L.tis_weights(old, infer, mask, cap=2.0, cap_low=0.8)
+    torch.testing.assert_close(w2, torch.tensor([[2.0, 0.8, 0.0], [2.0, 2.0, 1.0]]))
+    assert m["tis/clip_frac"].item() == pytest.approx(3 / 5)
+    # geometric means: sqrt(3 * 0.5) = 1.22 (kept); (4 * 4 * 1)^(1/3) = 2.52 (dropped)
+    g, gm = L.geo_seq_mask(old, infer, mask, alpha=0.5, beta=2.0)
+    torch.testing.assert_close(g, torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+    assert gm["geo/seq_masked_frac"].item() == 0.5
+
+
+def test_mismatch_metrics_hand():
+    infer = torch.tensor([[math.log(0.5), math.log(0.25), 0.0]])
+    old = torch.tensor([[math.log(0.25), math.log(0.25), 5.0]])  # k = 0.5, 1; third is padding
+    mask = torch.tensor([[True, True, False]])
+    m = L.mismatch_metrics(old, infer, mask)
+    assert m["mismatch/k1"].item() == pytest.approx(math.log(2) / 2)
+    assert m["mismatch/k3"].item() == pytest.approx((0.5 - 1 + math.log(2)) / 2)
+    assert m["mismatch/abs_diff_max"].item() == pytest.approx(math.log(2))
+    assert m["mismatch/ratio_min"].item() == pytest.approx(0.5)
+    assert m["mismatch/ratio_max"].item() == pytest.approx(1.0)
+    assert m["mismatch/masked_frac"].item() == 0.0  # 0.5 is inside the inclusive band
+
+
+# ----------------------------------------------------------------------------- PPO / DIS / value
+
+
+def slow_ppo_token(lp, old, a, cl, ch, dual):
+    r = math.exp(lp - old)
+    loss = max(-a * r, -a * min(max(r, 1 - cl), 1 + ch))
+    if dual is not None and a < 0:
+        loss = min(loss, -dual * a)
+    return loss
+
+
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_ppo_policy_loss_matches_slow(dual):
+    mask, r = rand_batch(4, 6, seed=5)
+    old, adv = r(), r()
+    logp = old + r(0.5)
+    w = torch.rand(4, 6)
+    loss, m = L.ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=dual, is_weights=w)
+    total = n = 0
+    for b in range(4):
+        for t in range(6):
+            if mask[b, t]:
+                total += w[b, t].item() * slow_ppo_token(logp[b, t].item(), old[b, t].item(), adv[b, t].item(), 0.2, 0.28, dual)
+                n += 1
+    assert loss.item() == pytest.approx(total / n, rel=1e-5)
+    assert 0 < m["ppo/clipfrac"].item() < 1
+
+
+def test_ppo_ratio_one_is_minus_mean_advantage_and_grad():
+    mask, r = rand_batch(3, 5, seed=6)
+    adv = r()
+    logp = r().requires_grad_()
+    loss, m = L.ppo_policy_loss(logp, logp.detach(), adv, mask, clip_low=0.2, clip_high=0.28)
+    assert loss.item() == pytest.approx(-L.masked_mean(adv, mask).item(), rel=1e-6)
+    assert m["ppo/clipfrac"].item() == 0 and m["ppo/approx_kl"].item() == 0
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -adv * mask / mask.sum())
+
+
+def test_ppo_clip_and_dual_clip_hand():
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    old = torch.zeros(1, 4)
+    logp = torch.tensor([[math.log(1.5), math.log(1.5), math.log(0.5), math.log(5.0)]])
+    adv = torch.tensor([[1.0, -1.0, -1.0, -1.0]])
+    loss, m = L.ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-sum-norm")
+    # token losses: A>0,r=1.5 -> -1.28 (clipped); A<0,r=1.5 -> 1.5; A<0,r=0.5 -> 0.8 (clipped); A<0,r=5 -> 3 (dual)
+    assert loss.item() == pytest.approx((-1.28 + 1.5 + 0.8 + 3.0) / 4)
+    assert m["ppo/clipfrac"].item() == pytest.approx(2 / 4)
+    assert m["ppo/dual_clipfrac"].item() == pytest.approx(1 / 4)
+
+
+def test_aggregation_modes_hand():
+    l = torch.tensor([[1.0, 3.0, 9.0], [4.0, 9.0, 9.0]])
+    m = torch.tensor([[True, True, False], [True, False, False]])
+    assert L.aggregate(l, m, "token-mean").item() == pytest.approx(8 / 3)
+    assert L.aggregate(l, m, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert L.aggregate(l, m, "seq-mean-token-sum-norm").item() == pytest.approx(8 / 6)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        L.aggregate(l, m, "mean")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(2, 6), T=st.integers(1, 6), n_split=st.integers(1, 3), seed=st.integers(0, 10_000),
+    agg=st.sampled_from(L.AGG_MODES), which=st.sampled_from(["ppo", "value", "dis"]),
+)
+def test_microbatches_with_global_denominator_equal_full_batch(B, T, n_split, seed, agg, which):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    a, b, c = (torch.randn(B, T, generator=g) for _ in range(3))
+
+    def run(sl, denom):
+        x = (a[sl] * 0.3).clone().requires_grad_()
+        if which == "ppo":
+            loss, _ = L.ppo_policy_loss(x, b[sl] * 0.3, c[sl], mask[sl], clip_low=0.2, clip_high=0.28, agg=agg, num_tokens=denom)
+        elif which == "value":
+            loss, _ = L.value_loss(x, b[sl], c[sl], mask[sl], clip=0.2, agg=agg, num_tokens=denom)
+        else:
+            loss, _ = L.dis_policy_loss(x, b[sl] * 0.3, c[sl], mask[sl], agg=agg, num_tokens=denom)
+        loss.backward()
+        return loss.detach(), x.grad
+
+    denom = L.loss_denominator(mask, agg)
+    full_loss, full_grad = run(slice(None), denom)
+    bounds = torch.linspace(0, B, n_split + 1).long().tolist()
+    parts = [run(slice(lo, hi), denom) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+    torch.testing.assert_close(sum(p[0] for p in parts), full_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([p[1] for p in parts]), full_grad, atol=1e-6, rtol=1e-5)
+
+
+def test_dis_gradient_is_in_band_importance_weighted():
+    infer = torch.zeros(1, 4)
+    logp = torch.tensor([[math.log(1.1), math.log(0.7), math.log(1.3), 0.0]], requires_grad=True)
+    adv = torch.tensor([[2.0, 1.0, 1.0, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    loss, m = L.dis_policy_loss(logp, infer, adv, mask, eps_low=0.2, eps_high=0.28)
+    loss.backward()
+    # rho = 1.1 (in), 0.7 (out, below 0.8), 1.3 (out, above 1.28), 1.0 (in): grad = -rho A / 4
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.1 * 2 / 4, 0.0, 0.0, 1.0 / 4]]))
+    assert m["dis/masked_frac"].item() == 0.5
+
+
+def test_value_loss_hand_and_clipfrac():
+    v = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[0.0, 0.0]])
+    ret = torch.tensor([[2.0, 1.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, m = L.value_loss(v, old, ret, mask, clip=0.2, scale=0.5)
+    # token 0: unclipped (1-2)^2 = 1, clipped (0.2-2)^2 = 3.24 -> 3.24; token 1: both 1
+    assert loss.item() == pytest.approx(0.5 * (3.24 + 1) / 2)
+    assert m["critic/clipfrac"].item() == 0.5
+    loss.backward()
+    assert v.grad[0, 0].item() == 0.0  # the clipped branch is constant in V beyond the clip
+    loss_nc, _ = L.value_loss(v, old, ret, mask, clip=None, scale=1.0)
+    assert loss_nc.item() == pytest.approx((1 + 1) / 2)
+
+
+def test_explained_variance():
+    mask = torch.tensor([[True, True, True, False]])
+    r = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
+    assert L.explained_variance(r, r, mask).item() == pytest.approx(1.0)
+    assert L.explained_variance(torch.full_like(r, 2.0), r, mask).item() == pytest.approx(0.0)
+    assert math.isnan(L.explained_variance(r, torch.ones_like(r), mask).item())
+
+
+def test_shape_convention_is_asserted():
+    with pytest.raises(AssertionError, match="mask must be bool"):
+        L.ppo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), clip_low=0.2, clip_high=0.2)
+    with pytest.raises(AssertionError, match="advantages has shape"):
+        L.ppo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3, dtype=torch.bool), clip_low=0.2, clip_high=0.2)
+
+
+def test_import_losses_pulls_in_nothing_beyond_torch():
+    code = (
+        "import sys, torch; before = set(sys.modules); import losses; "
+        "new = sorted(m for m in set(sys.modules) - before if m != 'losses'); print(new); assert not new, new"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(L.__file__).parent))

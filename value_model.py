@@ -1,0 +1,70 @@
+"""The critic: the policy's backbone with a fresh scalar head.
+
+It is a stock Hugging Face ``AutoModelForTokenClassification`` with ``num_labels=1``: ``.model`` is the
+backbone (the same module names as the policy's, so parallel.py's TP plan covers it) and ``.score`` is a
+``Linear(hidden, 1)`` head. That makes a critic checkpoint a normal HF folder (safetensors) that
+``AutoModelForTokenClassification.from_pretrained`` loads with no conversion step, for every architecture
+that has a token-classification class (Llama, Qwen2, Qwen3, Mistral, ...).
+
+    critic = build_critic("path/to/policy")            # backbone copied, head N(0, 0.02), zero bias
+    values = critic_values(critic, input_ids, attention_mask)   # [B, L] float32
+    critic.save_pretrained("ckpt/critic"); load_critic("ckpt/critic")
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoConfig, AutoModelForTokenClassification, PreTrainedModel
+
+
+def _critic_config(config):
+    if type(config) not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING:
+        raise ValueError(
+            f"build_critic: model type {config.model_type!r} has no Hugging Face token-classification class to carry "
+            "a value head; supported: Llama, Qwen2, Qwen3, Mistral and the other *ForTokenClassification families"
+        )
+    # One scalar per token; no dropout before the head (a PPO critic must be deterministic in train mode).
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    return config
+
+
+def build_critic(
+    policy: str | PreTrainedModel, *, head_std: float = 0.02, freeze_attention: bool = False, dtype: torch.dtype | None = None
+) -> PreTrainedModel:
+    """Critic initialised from a policy checkpoint folder or an (unsharded) policy model.
+
+    The backbone weights are copied from the policy; the head is re-drawn from N(0, head_std) with a zero
+    bias (slime's init; head_std 0.02 is the usual initializer_range), so the first values are near 0.
+    freeze_attention: SAO's frozen-attention critic - every self-attention weight keeps requires_grad=False
+    (the MLPs, norms, embeddings and head still train).
+    """
+    if isinstance(policy, str):
+        config = _critic_config(AutoConfig.from_pretrained(policy))
+        critic = AutoModelForTokenClassification.from_pretrained(policy, config=config, dtype=dtype or "auto")
+    else:
+        config = _critic_config(policy.config.__class__.from_dict(policy.config.to_dict()))
+        critic = AutoModelForTokenClassification.from_config(config, dtype=dtype or policy.dtype)
+        critic.model.load_state_dict(policy.get_submodule(policy.base_model_prefix).state_dict())
+    with torch.no_grad():
+        nn.init.normal_(critic.score.weight, std=head_std)
+        if critic.score.bias is not None:
+            critic.score.bias.zero_()
+    if freeze_attention:
+        for name, p in critic.named_parameters():
+            if ".self_attn." in name:
+                p.requires_grad_(False)
+    return critic
+
+
+def load_critic(path: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Load a critic saved with ``save_pretrained`` (a plain HF token-classification folder)."""
+    return AutoModelForTokenClassification.from_pretrained(path, dtype=dtype or "auto")
+
+
+def critic_values(critic: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+    """Per-token values [B, L] float32: values[:, i] = V(input_ids[:, : i + 1]), the value of the state
+    whose last token is i. Align with logits: the value of the state before response token t sits at the
+    same position as the logits that predict it."""
+    return critic(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits[..., 0].float()
