@@ -430,7 +430,8 @@ def value_loss(
 
     values: [B, T] critic output with grad; old_values: [B, T] critic output at rollout time; returns:
     [B, T] GAE targets. clip=None disables the clipped branch. Project default scale 0.5 (verl),
-    clip 0.2 (slime). Returns (loss, metrics: critic/value_loss (the scaled loss), critic/clipfrac
+    clip 0.2 (slime). Returns (loss, metrics: critic/value_loss (the scaled loss over this batch's own
+    denominator), critic/clipfrac
     (tokens where the clipped branch is larger), critic/value_mean).
     """
     _check(mask, values=values, old_values=old_values, returns=returns)
@@ -444,7 +445,9 @@ def value_loss(
     else:
         clipfrac = torch.zeros((), device=mask.device)
     loss = scale * aggregate(err, mask, agg, num_tokens)
-    return loss, {"critic/value_loss": loss.detach(), "critic/clipfrac": clipfrac, "critic/value_mean": _mean0(v, mask)}
+    # The metric is this batch's own mean, whatever the denominator: comparable across micro-batches and ranks.
+    metric = scale * aggregate(err.detach(), mask, agg)
+    return loss, {"critic/value_loss": metric, "critic/clipfrac": clipfrac, "critic/value_mean": _mean0(v, mask)}
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:

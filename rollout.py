@@ -1,0 +1,540 @@
+"""Rollout engines: one small interface, and the embedded torch engine (the default; CPU and GPU).
+
+    engine = EmbeddedEngine("path/to/policy", dtype="fp32", device="cpu")
+    ro = engine.generate([[5, 7, 9], [5, 8]], Sampling(temperature=1.0, max_new_tokens=32, n=4, stop_token_ids=(2,)))
+    input_ids, attention_mask, position_ids, P = ro.to_batch(pad_id=0)
+    engine.sleep()                                   # free the KV cache (on CUDA also the weights)
+    ...                                              # train the policy
+    engine.wake(); engine.update_weights(policy.named_parameters())
+
+Alignment, stated once: a `Rollout` holds response tokens as [B, T] right-padded tensors with a bool
+`mask` (True on generated tokens, the stop token included), the convention of losses.py. `to_batch`
+left-pads the prompts to a common length P and appends the responses, so the response block of
+every row starts at column P, and
+
+    logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    old_logp = losses.token_logprobs(logits[:, P - 1 : -1], ro.tokens, temperature, top_k=k, top_p=p)
+
+gives old_logp [B, T] aligned with ro.infer_logp (logits[:, j] predicts input_ids[:, j + 1]).
+
+`EmbeddedEngine` runs its own compact forward pass (gpt-fast style: SDPA, RoPE, GQA, a preallocated
+KV cache) over copies of the weights of a Hugging Face Llama / Qwen2 / Qwen3 causal LM: no mask
+builders or cache objects per step, q/k/v and gate/up as one matmul each, one prefill per prompt
+shared by its n samples. bench/bench_rollout.py measures it against HF `generate`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import losses
+
+
+@dataclass
+class Sampling:
+    """How to sample. The engine samples from softmax(losses.process_logits(logits, temperature, top_k, top_p))."""
+
+    temperature: float = 1.0
+    """Softmax temperature, > 0."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 = off."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1.0 = off."""
+    max_new_tokens: int = 32
+    """Response budget per row; a row that hits it finishes with "length"."""
+    stop_token_ids: tuple[int, ...] = ()
+    """A row stops at any of these; the stop token is part of the response (finish "stop")."""
+    n: int = 1
+    """Samples per prompt; the n rows of a prompt are contiguous in the output."""
+    seed: int = 0
+    """Row r of a generate call (prompt r // n, sample r % n) draws from seed + r, whatever the rest of the
+    batch: same seed, same weights, same output, and a batch split over several calls (data-parallel ranks)
+    gives the same rows when each call's seed is offset by its first row's index."""
+
+    def __post_init__(self):
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"Sampling.temperature must be a finite number > 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"Sampling.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"Sampling.top_p must be in (0, 1] (1.0 = off), got {self.top_p}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"Sampling.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"Sampling.n must be an int >= 1, got {self.n!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"Sampling.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"Sampling.seed must be an int, got {self.seed!r}")
+
+
+class TrainBatch(NamedTuple):
+    """Full sequences for the trainer's recompute; see the module docstring for the alignment."""
+
+    input_ids: Tensor  # [B, P + T] long: left-padded prompt, response, right padding
+    attention_mask: Tensor  # [B, P + T] long: 1 on prompt and response tokens
+    position_ids: Tensor  # [B, P + T] long: 0 at each row's first real token (what the engine used)
+    response_start: int  # P: column of the first response token in every row
+
+
+@dataclass
+class Rollout:
+    """The output of `generate`: B = len(prompts) * n rows, T = the longest response; tensors on CPU."""
+
+    tokens: Tensor
+    """[B, T] long response tokens, right-padded with 0 (mask tells which are real)."""
+    infer_logp: Tensor
+    """[B, T] float32 log-prob of each sampled token under the distribution it was drawn from; 0 on padding."""
+    mask: Tensor
+    """[B, T] bool, True on generated tokens (the stop token included)."""
+    prompt_ids: list[list[int]]
+    """One prompt per row (a prompt repeats n times)."""
+    finish_reasons: list[str]
+    """Per row: "stop" (emitted a stop token) or "length" (hit max_new_tokens)."""
+
+    def to_batch(self, pad_id: int = 0) -> TrainBatch:
+        """Left-padded prompt + response per row, pad_id elsewhere. Returns TrainBatch (tensors on CPU)."""
+        B, T = self.tokens.shape
+        P = max(len(p) for p in self.prompt_ids)
+        input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros(B, P + T, dtype=torch.long)
+        for r, p in enumerate(self.prompt_ids):
+            input_ids[r, P - len(p) : P] = torch.tensor(p)
+            attention_mask[r, P - len(p) : P] = 1
+        mask = self.mask.cpu()
+        input_ids[:, P:] = torch.where(mask, self.tokens.cpu(), pad_id)
+        attention_mask[:, P:] = mask.long()
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        return TrainBatch(input_ids, attention_mask, position_ids, P)
+
+
+class Engine(Protocol):
+    """What the trainer needs from a rollout engine (the embedded one here, SGLang on GPUs)."""
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout:
+        """Sample sampling.n responses per prompt (token ids, no chat template applied here)."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Load full tensors under their Hugging Face state_dict names; may be called once per bucket."""
+
+    def sleep(self) -> int:
+        """Release memory for training; returns the bytes released (the platform's own count)."""
+
+    def wake(self) -> None:
+        """Undo sleep; generate works again."""
+
+    def shutdown(self) -> None:
+        """Release everything; the engine cannot be used afterwards."""
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: fp8 weights, bf16 compute
+# Largest finite float8_e4m3fn value: the per-channel scale maps each row's absmax onto it.
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+# HF name inside a decoder layer -> (slot in the engine's per-layer store, part index). Parts of one slot
+# are concatenated along dim 0 (output rows) so q/k/v and gate/up each run as a single matmul.
+_LAYER_SLOTS = {
+    "input_layernorm.weight": ("ln1", 0),
+    "self_attn.q_proj.weight": ("qkv", 0),
+    "self_attn.k_proj.weight": ("qkv", 1),
+    "self_attn.v_proj.weight": ("qkv", 2),
+    "self_attn.q_proj.bias": ("qkv_b", 0),
+    "self_attn.k_proj.bias": ("qkv_b", 1),
+    "self_attn.v_proj.bias": ("qkv_b", 2),
+    "self_attn.q_norm.weight": ("qn", 0),
+    "self_attn.k_norm.weight": ("kn", 0),
+    "self_attn.o_proj.weight": ("o", 0),
+    "self_attn.o_proj.bias": ("o_b", 0),
+    "post_attention_layernorm.weight": ("ln2", 0),
+    "mlp.gate_proj.weight": ("gu", 0),
+    "mlp.up_proj.weight": ("gu", 1),
+    "mlp.gate_proj.bias": ("gu_b", 0),
+    "mlp.up_proj.bias": ("gu_b", 1),
+    "mlp.down_proj.weight": ("down", 0),
+    "mlp.down_proj.bias": ("down_b", 0),
+}
+_LAYER_KEYS = ("ln1", "qkv", "qkv_b", "qn", "kn", "o", "o_b", "ln2", "gu", "gu_b", "down", "down_b")
+_TOP_SLOTS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+
+
+def fake_quant_fp8(w: Tensor) -> Tensor:
+    """Round a Linear weight [out, in] through float8_e4m3fn with one scale per output channel, and back."""
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_E4M3_MAX
+    return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
+
+
+def _check_arch(config) -> None:
+    """Refuse what the compact forward pass does not implement, before any work."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(f"EmbeddedEngine supports model_type {SUPPORTED_MODEL_TYPES}, got {mt!r}")
+    if config.hidden_act != "silu":
+        raise NotImplementedError(f"EmbeddedEngine: hidden_act {config.hidden_act!r} (only 'silu')")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+        raise NotImplementedError(f"EmbeddedEngine: only default RoPE (no rope scaling), got rope_parameters={rope}")
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("EmbeddedEngine: partial_rotary_factor != 1 is not implemented")
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise NotImplementedError(f"EmbeddedEngine: only full attention layers, got {sorted(kinds)}")
+
+
+def _rmsnorm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    # The HF order: normalise in fp32, cast back, then scale (matters in bf16).
+    return w * F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
+
+
+class EmbeddedEngine:
+    """Batched sampler over a Hugging Face Llama / Qwen2 / Qwen3 causal LM, with its own forward pass.
+
+    model_or_path: a loaded HF model (its weights are copied, so later trainer steps do not leak in) or a
+        folder written by save_pretrained.
+    dtype: "fp32"; "bf16" (weights and compute in bf16, log-probs in fp32 from bf16 logits); "fp8" (bf16
+        compute with the decoder's Linear weights fake-quantised to float8_e4m3fn, one scale per output
+        channel, as FP8 rollouts do; embeddings, lm_head and norms stay bf16, as vLLM/SGLang keep them).
+    max_batch_tokens: KV-cache capacity in tokens; a batch of B rows of prompt + response length S runs
+        in chunks of max_batch_tokens // S rows (the draws do not depend on the chunking).
+    """
+
+    def __init__(self, model_or_path, *, dtype: str = "fp32", device: str | torch.device = "cpu",
+                 max_batch_tokens: int = 65536):
+        if dtype not in DTYPES:
+            raise ValueError(f"EmbeddedEngine: dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"EmbeddedEngine: max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if isinstance(model_or_path, (str, os.PathLike)):
+            from transformers import AutoModelForCausalLM
+
+            model_or_path = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=torch.float32)
+        c = model_or_path.config
+        _check_arch(c)
+        self.config, self.dtype_name, self.dtype = c, dtype, DTYPES[dtype]
+        self.device, self.max_batch_tokens = torch.device(device), max_batch_tokens
+        self.n_layers, self.n_heads, self.n_kv = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.vocab_size, self.max_positions, self.eps = c.vocab_size, c.max_position_embeddings, c.rms_norm_eps
+        self.tied = bool(c.tie_word_embeddings)
+        self.scale = self.head_dim**-0.5  # what HF and SDPA use
+
+        # name -> (store key, row range within it); the store holds the fused, precision-transformed weights.
+        parts: dict[str, list[tuple[int, str, Tensor]]] = {}
+        self._where: dict[str, tuple[str, slice]] = {}
+        for name, t in model_or_path.state_dict().items():
+            if name == "lm_head.weight" and self.tied:
+                continue  # the embedding itself (state_dict lists it, save_pretrained does not)
+            m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+            if m and m.group(2) in _LAYER_SLOTS:
+                slot, part = _LAYER_SLOTS[m.group(2)]
+                key = f"{m.group(1)}.{slot}"
+            elif name in _TOP_SLOTS:
+                key, part = _TOP_SLOTS[name], 0
+            else:
+                raise NotImplementedError(f"EmbeddedEngine: unsupported parameter {name!r} in a {c.model_type} model")
+            parts.setdefault(key, []).append((part, name, self._transform(name, t)))
+        self._store: dict[str, Tensor] = {}
+        for key, ps in parts.items():
+            ps.sort()
+            self._store[key] = torch.cat([t for _, _, t in ps])  # always a copy, never the trainer's storage
+            row = 0
+            for _, name, t in ps:
+                self._where[name] = (key, slice(row, row + t.size(0)))
+                row += t.size(0)
+
+        # RoPE tables for every position, computed like HF (fp32 angles, then cast to the compute dtype).
+        D, theta = self.head_dim, c.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float) / D))
+        freqs = torch.arange(self.max_positions).float()[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = emb.cos().to(self.device, self.dtype)
+        self._sin_signed = torch.cat((-emb[:, : D // 2].sin(), emb[:, D // 2 :].sin()), dim=-1).to(self.device, self.dtype)
+        self._kv: Tensor | None = None  # flat KV-cache buffer, allocated on first use, grown on demand
+        self._asleep = self._closed = False
+        self._bind()
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def _transform(self, name: str, t: Tensor) -> Tensor:
+        t = t.detach().to(self.device, torch.float32)
+        if self.dtype_name == "fp8" and name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            t = fake_quant_fp8(t)
+        return t.to(self.dtype)
+
+    def _bind(self) -> None:
+        """Per-layer weight tuples for the hot loop (rebuilt when the store moves)."""
+        s = self._store
+        self._layers = [tuple(s.get(f"{i}.{k}") for k in _LAYER_KEYS) for i in range(self.n_layers)]
+        self._embed, self._norm = s["embed"], s["norm"]
+        self._lm_head = s["embed"] if self.tied else s["lm_head"]
+
+    def _view(self, name: str, caller: str) -> Tensor:
+        if name == "lm_head.weight" and self.tied:
+            name = "model.embed_tokens.weight"
+        if name not in self._where:
+            raise ValueError(f"{caller}: unknown parameter {name!r} (expected Hugging Face state_dict names, "
+                             f"e.g. 'model.layers.0.mlp.up_proj.weight')")
+        key, rows = self._where[name]
+        return self._store[key][rows]
+
+    @torch.inference_mode()
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy full tensors (HF names) into the engine, applying the precision transform again.
+
+        Each tensor is checked before it is written; on an error the tensors before it stay written.
+        A tied model's lm_head.weight is the embedding: sending both writes the same weight twice.
+        """
+        self._check_open("update_weights")
+        for name, t in named_tensors:
+            dst = self._view(name, "update_weights")
+            if tuple(t.shape) != tuple(dst.shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(self._transform(name, t))
+
+    @torch.inference_mode()
+    def check_weights(self, named_tensors: Iterable[tuple[str, Tensor]], atol: float = 0.0) -> int:
+        """Raise ValueError naming the first parameter whose engine copy differs from precision_transform(t)
+        by more than atol (max abs); returns the number of tensors checked."""
+        self._check_open("check_weights")
+        count = 0
+        for name, t in named_tensors:
+            have = self._view(name, "check_weights")
+            if tuple(t.shape) != tuple(have.shape):
+                raise ValueError(f"check_weights: {name!r} has shape {tuple(t.shape)}, the engine holds {tuple(have.shape)}")
+            diff = (have.float() - self._transform(name, t).float().to(have.device)).abs().max().item()
+            if not diff <= atol:
+                raise ValueError(f"check_weights: {name!r} differs from the engine's copy (max abs diff {diff:.3g} > {atol})")
+            count += 1
+        return count
+
+    # ---- memory ----------------------------------------------------------------------------------
+
+    def sleep(self) -> int:
+        """Free the KV cache; on CUDA also move the weights to CPU. Returns the bytes released: the change
+        in torch.cuda.memory_allocated on CUDA, the size of the freed cache buffer on CPU."""
+        self._check_open("sleep")
+        if self._asleep:
+            return 0
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        released = 0 if self._kv is None else self._kv.nbytes
+        self._kv = None
+        if cuda:
+            self._store = {k: v.to("cpu") for k, v in self._store.items()}
+            self._bind()  # drop the hot-loop references to the CUDA tensors too
+            torch.cuda.empty_cache()
+            released = before - torch.cuda.memory_allocated(self.device)
+        self._asleep = True
+        return released
+
+    def wake(self) -> None:
+        """Bring the weights back to the device; the KV cache is reallocated by the next generate."""
+        self._check_open("wake")
+        if self._asleep and self.device.type == "cuda":
+            self._store = {k: v.to(self.device) for k, v in self._store.items()}
+            self._bind()
+        self._asleep = False
+
+    def shutdown(self) -> None:
+        """Drop weights and cache; every later call raises."""
+        self._store, self._layers, self._kv = {}, [], None
+        self._embed = self._norm = self._lm_head = None
+        self._closed = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self, caller: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"EmbeddedEngine.{caller}: the engine was shut down")
+
+    def _kv_cache(self, B: int, S: int) -> list[tuple[Tensor, Tensor]]:
+        """Views [B, n_kv, S, D] (keys, values) per layer into the preallocated flat buffer."""
+        shape = (self.n_layers, 2, B, self.n_kv, S, self.head_dim)
+        need = math.prod(shape)
+        if self._kv is None or self._kv.numel() < need:
+            self._kv = None  # free the old buffer before allocating the larger one
+            self._kv = torch.empty(need, dtype=self.dtype, device=self.device)
+        kv = self._kv[:need].view(shape)
+        return [(kv[i, 0], kv[i, 1]) for i in range(self.n_layers)]
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def _forward(self, ids: Tensor, pos: Tensor, attn_mask: Tensor | None, kv=None, start: int = 0) -> Tensor:
+        """Final hidden states [B, S, hidden] for ids [B, S] at rope positions pos [B, S].
+
+        start == 0 (a whole sequence, prefill): attention over these S tokens; attn_mask is None (plain
+            causal) or additive float [B, 1, S, S] (0 = attend, -inf = masked). With kv the keys and
+            values are also written to cache slots 0..S.
+        start > 0 (one decode step, S == 1): the new key/value go to cache slot `start`, attention reads
+            slots 0..start; attn_mask is additive float [B * n_kv, 1, start + 1].
+        """
+        B, S = ids.shape
+        H, K, D = self.n_heads, self.n_kv, self.head_dim
+        cos, sin = self._cos[pos].unsqueeze(2), self._sin_signed[pos].unsqueeze(2)  # [B, S, 1, D]
+        x = F.embedding(ids, self._embed)
+        for i, (ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b) in enumerate(self._layers):
+            qkv = F.linear(_rmsnorm(x, ln1, self.eps), qkv_w, qkv_b).view(B, S, H + 2 * K, D)
+            qk, v = qkv[:, :, : H + K], qkv[:, :, H + K :]
+            if qn is not None:  # Qwen3: RMSNorm over head_dim of each q and k head, before RoPE
+                qk = torch.cat((_rmsnorm(qk[:, :, :H], qn, self.eps), _rmsnorm(qk[:, :, H:], kn, self.eps)), dim=2)
+            # RoPE on q and k heads at once: HF's x * cos + rotate_half(x) * sin, where rotate_half(x) =
+            # cat(-x2, x1) = roll(x, D/2) * (-1 on the first half), the sign folded into _sin_signed.
+            qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
+            q, k = qk.transpose(1, 2).split((H, K), dim=1)  # [B, H | K, S, D]
+            v = v.transpose(1, 2)
+            if kv is not None:
+                k_cache, v_cache = kv[i]
+                k_cache[:, :, start : start + S] = k
+                v_cache[:, :, start : start + S] = v
+            if start == 0:
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                                   enable_gqa=K != H)
+                a = a.transpose(1, 2).reshape(B, S, H * D)
+            else:
+                # Decode: the H // K query heads sharing a KV head are that head's query rows, so one
+                # batched matmul per side and no KV repeat; [B, K, slots, D] -> [B * K, slots, D] is a view.
+                keys = k_cache[:, :, : start + 1].reshape(B * K, start + 1, D)
+                values = v_cache[:, :, : start + 1].reshape(B * K, start + 1, D)
+                scores = torch.baddbmm(attn_mask, q.reshape(B * K, H // K, D), keys.transpose(1, 2), alpha=self.scale)
+                a = torch.bmm(scores.softmax(-1), values).view(B, 1, H * D)
+            x = x + F.linear(a, o_w, o_b)
+            gate, up = F.linear(_rmsnorm(x, ln2, self.eps), gu_w, gu_b).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, down_w, down_b)
+        return _rmsnorm(x, self._norm, self.eps)
+
+    @torch.inference_mode()
+    def logits(self, input_ids: Tensor) -> Tensor:
+        """Full-sequence logits [B, L, V] float32 of unpadded sequences [B, L] (no cache), for checks."""
+        self._check_ready("logits")
+        ids = input_ids.to(self.device)
+        pos = torch.arange(ids.size(1), device=self.device).expand_as(ids)
+        return F.linear(self._forward(ids, pos, None), self._lm_head).float()
+
+    # ---- sampling --------------------------------------------------------------------------------
+
+    def _check_ready(self, caller: str) -> None:
+        self._check_open(caller)
+        if self._asleep:
+            raise RuntimeError(f"EmbeddedEngine.{caller}: the engine is asleep; call wake() first")
+
+    def _check_prompts(self, prompt_ids, sampling: Sampling) -> None:
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"generate: sampling must be a Sampling, got {type(sampling).__name__}")
+        if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
+            raise ValueError("generate: prompt_ids must be a non-empty list of token-id lists")
+        longest = self.max_positions - sampling.max_new_tokens
+        V = self.vocab_size
+        for i, p in enumerate(prompt_ids):
+            if len(p) == 0:
+                raise ValueError(f"generate: prompt {i} is empty")
+            if len(p) > longest:
+                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
+                                 f"the context ({self.max_positions}) allows at most {longest}")
+            if not all(isinstance(t, int) for t in p) or min(p) < 0 or max(p) >= V:
+                raise ValueError(f"generate: prompt {i} has token ids outside [0, {V}) or non-int ids: {list(p)[:8]}...")
+        bad = [t for t in sampling.stop_token_ids if t >= V]
+        if bad:
+            raise ValueError(f"generate: stop_token_ids {bad} are outside the vocabulary [0, {V})")
+        need = (max(len(p) for p in prompt_ids) + sampling.max_new_tokens) * sampling.n
+        if need > self.max_batch_tokens:
+            raise ValueError(f"generate: the n={sampling.n} rows of one prompt need {need} KV slots > max_batch_tokens="
+                             f"{self.max_batch_tokens}; raise max_batch_tokens")
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout:
+        """Sample sampling.n responses per prompt. Returns a Rollout with B = len(prompt_ids) * n rows."""
+        self._check_ready("generate")
+        self._check_prompts(prompt_ids, sampling)
+        prompts = [list(p) for p in prompt_ids]
+        # One uniform per (row, step), from row r's own generator seeded seed + r: draws do not depend on
+        # the batch composition or on how it is chunked (max_batch_tokens).
+        rows = len(prompts) * sampling.n
+        u = torch.stack([torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(sampling.seed + r)) for r in range(rows)])
+        # A prompt's n samples stay in one chunk: its prefill runs once and is copied to the n rows.
+        row_tokens = max(len(p) for p in prompts) + sampling.max_new_tokens
+        per_chunk = self.max_batch_tokens // (row_tokens * sampling.n)
+        outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * sampling.n : (i + per_chunk) * sampling.n].to(self.device))
+                for i in range(0, len(prompts), per_chunk)]
+        T = max(o[0].size(1) for o in outs)
+        pad = lambda x: F.pad(x, (0, T - x.size(1)))  # noqa: E731  (right-pad a chunk to the longest)
+        return Rollout(
+            tokens=torch.cat([pad(o[0]) for o in outs]),
+            infer_logp=torch.cat([pad(o[1]) for o in outs]),
+            mask=torch.cat([pad(o[2]) for o in outs]),
+            prompt_ids=[p for p in prompts for _ in range(sampling.n)],
+            finish_reasons=[r for o in outs for r in o[3]],
+        )
+
+    def _generate_chunk(self, prompts: list[list[int]], s: Sampling, uniforms: Tensor):
+        """Rows are the prompts, each repeated s.n times; uniforms [B, N] drive the draws. Returns CPU tokens,
+        logp, mask [B, T], finish reasons."""
+        dev, n, N, K = self.device, s.n, s.max_new_tokens, self.n_kv
+        B = len(prompts) * n
+        lens = torch.tensor([len(p) for p in prompts])
+        P = int(lens.max())
+        # Left-pad so every row writes its next token to the same cache slot; rope positions start at 0 at
+        # each row's first real token, as in the trainer's unpadded (or position_ids) forward.
+        ids = torch.zeros(len(prompts), P, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, P - len(p) :] = torch.tensor(p)
+        n_pad = (P - lens).repeat_interleave(n).to(dev)  # [B]
+        pos = (torch.arange(P + N, device=dev) - n_pad[:, None]).clamp_min(0)  # [B, P + N]
+        valid = torch.arange(P + N, device=dev) >= n_pad[:, None]  # [B, P + N]: the slot holds a real token
+        # Additive masks, built once per chunk. Decode rows are (row, KV head) pairs, sliced per step.
+        decode_mask = torch.zeros(B, 1, P + N, dtype=self.dtype, device=dev).masked_fill(~valid[:, None], -math.inf)
+        decode_mask = decode_mask.repeat_interleave(K, dim=0)  # [B * K, 1, P + N]
+        prefill_mask = None  # plain causal when no prompt is padded
+        if bool((n_pad > 0).any()):
+            attend = torch.ones(P, P, dtype=torch.bool, device=dev).tril() & valid[::n, None, :P]
+            # A pad query also sees itself, so no softmax row is empty (an empty row gives NaN, and NaN
+            # values would leak through zero attention weights into real rows).
+            attend |= torch.eye(P, dtype=torch.bool, device=dev)
+            prefill_mask = torch.zeros(attend.shape, dtype=self.dtype, device=dev).masked_fill(~attend, -math.inf)[:, None]
+
+        # Prefill each distinct prompt once, into the cache rows of its first sample (rows 0, n, 2n, ...),
+        # then copy those slots to the prompt's other n - 1 rows.
+        kv = self._kv_cache(B, P + N)
+        h = self._forward(ids.to(dev), pos[::n, :P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], 0)
+        if n > 1:
+            for cache in (c for pair in kv for c in pair):
+                grouped = cache.view(B // n, n, *cache.shape[1:])[:, :, :, :P]
+                grouped[:, 1:] = grouped[:, :1]
+        logits = F.linear(h[:, -1], self._lm_head).repeat_interleave(n, dim=0)  # [B, V]
+
+        stop = torch.tensor(s.stop_token_ids, dtype=torch.long, device=dev)
+        tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+        logp = torch.zeros(B, N, dtype=torch.float32, device=dev)
+        alive = torch.zeros(B, N, dtype=torch.bool, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        for t in range(N):
+            x = losses.process_logits(logits, s.temperature, top_k=s.top_k, top_p=s.top_p)  # [B, V] fp32
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            # Inverse-CDF draw: one uniform per row (torch.multinomial draws V exponentials per row).
+            # searchsorted(right=True) returns the first token whose cumulative mass exceeds u, so a token
+            # of probability 0 (excluded by top-k / top-p) is never picked; u < total keeps it below V.
+            cdf = (x - lse).exp().cumsum(-1)
+            total = cdf[:, -1:]
+            u = torch.minimum(uniforms[:, t : t + 1] * total, total.nextafter(torch.zeros_like(total)))
+            tok = torch.searchsorted(cdf, u, right=True)  # [B, 1]
+            # losses.token_logprobs' formula, so engine and trainer share one definition.
+            logp[:, t] = (x.gather(-1, tok) - lse)[:, 0]
+            tokens[:, t] = tok[:, 0]
+            alive[:, t] = ~done  # the stop token itself is part of the response
+            done |= (tok == stop).any(-1)
+            if t == N - 1 or bool(done.all()):
+                break
+            h = self._forward(tok, pos[:, P + t : P + t + 1], decode_mask[..., : P + t + 1], kv, P + t)
+            logits = F.linear(h[:, -1], self._lm_head)
+        T = t + 1
+        mask = alive[:, :T]
+        finish = ["stop" if d else "length" for d in done.tolist()]
+        return tokens[:, :T].masked_fill(~mask, 0).cpu(), logp[:, :T].masked_fill(~mask, 0.0).cpu(), mask.cpu(), finish

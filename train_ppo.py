@@ -1,0 +1,573 @@
+"""IcePop PPO with a trained value model (the GLM-5.2 recipe): one torchrun job, engine and trainer colocated.
+
+    make train                                                   # = bash runs/cpu.sh: tiny model, 2 CPU processes
+    torchrun --standalone --nproc_per_node 2 train_ppo.py        # the same by hand (dp=2)
+    torchrun --standalone --nproc_per_node 2 train_ppo.py --tp 2 # policy and critic sharded over 2 ranks
+    bash runs/gpu_qwen3.sh                                       # a real HF model with SGLang on GPUs
+    python train_ppo.py --help                                   # every option, from the Config docstrings
+
+Every rank holds a shard of the policy and the critic; the first rank of each TP group also holds a
+rollout engine (embedded torch sampler or SGLang) that generates that data-parallel replica's share.
+One step, and what occupies each device's memory (colocated: the phases take turns):
+
+    phase                      engine (weights + KV cache)   policy / critic / optimiser states
+    1 rollout                  awake, generating             resident, idle
+    2-5 reward ... correction  asleep (released)             forward activations (no grad)
+    6-7 critic, policy update  asleep                        activations + gradients
+    8 weight sync              wake, then full weights pushed bucket by bucket, cache flushed
+    9 metrics / eval / ckpt    awake (eval generates)        resident
+
+The order sleep -> train -> wake -> sync is written once, in the loop below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+import losses as L
+from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize
+from rollout import Sampling
+from value_model import build_critic, critic_values, load_critic
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Config:
+    """IcePop PPO (or GRPO) on a causal LM. Defaults: shared/ALGORITHMS.md, "Project defaults"."""
+
+    # run
+    model: str = ""
+    """Hugging Face model folder; empty = the embedded tiny model, built and warmed up on first use."""
+    task: str = "addition"
+    """'addition', 'sort', or a .jsonl/.parquet file with 'prompt' and 'answer' fields."""
+    out_dir: str = "outputs/run"
+    """Run folder: config.json, metrics.jsonl, plots/, checkpoints/. An existing run there is resumed."""
+    steps: int = 100
+    """Policy steps (a critic warm-up step counts as a step)."""
+    seed: int = 0
+    """Seed of everything: data order, sampling, minibatch shuffles."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms: bit-exact resume on CPU."""
+    # algorithm
+    algo: Literal["ppo", "grpo"] = "ppo"
+    """ppo: critic + token-level GAE. grpo: group-relative advantages, no critic."""
+    correction: Literal["icepop", "tis", "geo", "dis", "none"] = "icepop"
+    """Train-inference mismatch correction: IcePop token masking, truncated IS, geometric sequence mask, DIS loss, none."""
+    icepop_low: float = 0.5
+    """IcePop band lower bound alpha on k = pi_old / pi_infer (also the geo mask's)."""
+    icepop_high: float = 2.0
+    """IcePop band upper bound beta (GLM-5: 2; Ring-1T: 5)."""
+    tis_cap: float = 2.0
+    """TIS weight cap C."""
+    drop_masked_from_denominator: bool = False
+    """verl's rejection form: tokens the correction zeroes also leave the loss denominator."""
+    kl: Literal["none", "k1-reward", "k3-loss"] = "none"
+    """KL to the frozen initial policy: none (GLM-5), a k1 penalty in the reward, or a k3 loss term."""
+    kl_coef: float = 0.01
+    """KL coefficient when kl != none."""
+    gamma: float = 1.0
+    """Discount."""
+    lam_policy: float = 0.95
+    """GAE lambda of the policy's advantages (decoupled from the critic's, VC-PPO)."""
+    lam_critic: float = 1.0
+    """GAE lambda of the critic's targets."""
+    adaptive_lambda: float = 0.0
+    """> 0: length-adaptive policy lambda = 1 - 1/(alpha L) with this alpha (VAPO 0.05)."""
+    whiten_advantages: bool = True
+    """Whiten PPO advantages over the global batch."""
+    grpo_std: bool = True
+    """GRPO: divide by the group std (False = Dr. GRPO)."""
+    clip_low: float = 0.2
+    """PPO clip epsilon below 1 (also DIS's band)."""
+    clip_high: float = 0.28
+    """PPO clip epsilon above 1 (DAPO clip-higher)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c (> 1, e.g. 3); 0 = off."""
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """Loss aggregation over tokens."""
+    # batch and optimisation
+    rollout_batch: int = 64
+    """Completions per step over all ranks."""
+    n_samples: int = 0
+    """Samples per prompt; 0 = 1 for ppo (individual rollouts), 4 for grpo."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    minibatches: int = 1
+    """Optimiser steps per epoch."""
+    micro_batch: int = 64
+    """Rows per forward/backward (gradient accumulation; the loss denominator stays global)."""
+    lr: float = 2e-4
+    """Policy learning rate (AdamW)."""
+    critic_lr: float = 0.0
+    """Critic learning rate; 0 = 5x lr."""
+    critic_updates: int = 2
+    """Critic optimiser passes per policy update (SAO: 2)."""
+    critic_warmup: int = 3
+    """Initial steps that train only the critic."""
+    freeze_critic_attention: bool = False
+    """SAO's frozen-attention critic."""
+    value_clip: float = 0.2
+    """Value clipping epsilon; 0 = off."""
+    value_scale: float = 0.5
+    """Value-loss coefficient."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (policy and critic separately)."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive updates with a non-finite loss or gradient."""
+    # sampling and engine
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs use the same)."""
+    top_k: int = 0
+    """Top-k sampling, applied identically by engine and trainer; 0 = off."""
+    top_p: float = 1.0
+    """Top-p sampling, applied identically by engine and trainer; 1.0 = off."""
+    max_new_tokens: int = 0
+    """0 = the task's budget."""
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """Rollout engine."""
+    engine_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
+    """Engine precision; the trainer is fp32, so bf16/fp8 create the mismatch IcePop corrects."""
+    tp: int = 1
+    """Tensor-parallel ranks per replica (data parallel = world size / tp)."""
+    # outputs
+    eval_every: int = 20
+    """Held-out evaluation (greedy and sampled accuracy) every N steps, and before and after the run."""
+    eval_size: int = 500
+    """Held-out problems per evaluation."""
+    save_every: int = 50
+    """Checkpoint every N steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs wandb installed)."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (needs tensorboard installed)."""
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def resolve(cfg: Config, world_size: int) -> dict:
+    """Validate the config against the world and derive the per-rank sizes, before any expensive work."""
+    errors = []
+    if world_size % cfg.tp:
+        errors.append(f"--tp {cfg.tp} does not divide the {world_size} processes")
+    dp = max(world_size // cfg.tp, 1)
+    n = cfg.n_samples or (4 if cfg.algo == "grpo" else 1)
+    if cfg.algo == "grpo" and n < 2:
+        errors.append("--algo grpo needs --n-samples >= 2 (a group of one has no baseline)")
+    if cfg.rollout_batch % (n * dp):
+        errors.append(f"--rollout-batch {cfg.rollout_batch} must split into groups of {n} samples over {dp} data-parallel ranks")
+    rows = cfg.rollout_batch // dp
+    if rows % cfg.minibatches or rows < cfg.minibatches:
+        errors.append(f"{rows} rows per rank do not split into --minibatches {cfg.minibatches}")
+    if cfg.kl != "none" and cfg.kl_coef <= 0:
+        errors.append(f"--kl {cfg.kl} needs --kl-coef > 0")
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        errors.append(f"--dual-clip must be > 1 (or 0 = off), got {cfg.dual_clip}")
+    if not 0 < cfg.icepop_low < 1 < cfg.icepop_high:
+        errors.append(f"the IcePop band must satisfy 0 < low < 1 < high, got [{cfg.icepop_low}, {cfg.icepop_high}]")
+    for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps"):
+        if getattr(cfg, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.lr <= 0 or cfg.critic_lr < 0:
+        errors.append("learning rates must be positive")
+    if cfg.model and not os.path.isfile(os.path.join(cfg.model, "config.json")):
+        errors.append(f"--model {cfg.model!r} is not a Hugging Face model folder (no config.json); hub names must be downloaded first")
+    if cfg.engine == "sglang":
+        try:
+            import sglang  # noqa: F401
+        except ImportError as e:
+            errors.append(f"--engine sglang needs SGLang installed (see README, 'SGLang'): {e}")
+    if errors:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
+    return {"dp": dp, "n": n, "rows": rows, "prompts": rows // n, "critic_lr": cfg.critic_lr or 5 * cfg.lr}
+
+
+@contextlib.contextmanager
+def timed(times: dict, name: str):
+    start = time.perf_counter()
+    yield
+    times[f"time/{name}"] = time.perf_counter() - start
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok(chat, add_special_tokens=False).input_ids
+
+
+def score(task, completions: list[str], answers: list[str]) -> torch.Tensor:
+    """Run the task's reward function, refusing anything but one finite float per completion."""
+    fn = getattr(task.reward_fn, "__name__", repr(task.reward_fn))
+    try:
+        rewards = task.reward_fn(completions, answers)
+    except Exception as e:
+        for i, (c, a) in enumerate(zip(completions, answers)):  # find the sample that breaks it
+            try:
+                task.reward_fn([c], [a])
+            except Exception:
+                raise RuntimeError(f"reward function {fn} raised on sample {i} (completion {c!r}, answer {a!r}): {e!r}") from e
+        raise RuntimeError(f"reward function {fn} raised on the batch: {e!r}") from e
+    if not hasattr(rewards, "__len__") or len(rewards) != len(completions):
+        raise RuntimeError(f"reward function {fn} returned {type(rewards).__name__} of length {getattr(rewards, '__len__', lambda: '?')()} for {len(completions)} completions; it must return one float each")
+    out = torch.tensor([float(r) for r in rewards])
+    bad = (~torch.isfinite(out)).nonzero()
+    if len(bad):
+        i = bad[0].item()
+        raise RuntimeError(f"reward function {fn} returned {rewards[i]} for sample {i} (completion {completions[i]!r}); rewards must be finite")
+    return out
+
+
+def seq_forward(model, batch, rows: slice, fn):
+    """Run ``fn(model_output_tensor)`` on rows of a TrainBatch; returns the response-aligned [b, T, ...] slice.
+    logits[:, j] predicts token j + 1, so the response tokens P..P+T-1 are predicted at P-1..P+T-2."""
+    ids, attn, pos, P = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows], batch.response_start
+    return fn(ids, attn, pos)[:, P - 1 : -1]
+
+
+def all_reduce(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
+    """losses.masked_whiten over the global batch: mean and unbiased variance all-reduced over dp ranks."""
+    stats = all_reduce(torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double(), group)
+    mean = stats[0] / stats[2]
+    var = (stats[1] - stats[2] * mean**2) / (stats[2] - 1).clamp_min(1)
+    return ((x - mean) * torch.rsqrt(var + 1e-8)).float() * mask
+
+
+def add(metrics: dict[str, list], new: dict[str, torch.Tensor]) -> None:
+    """Collect a phase's (or micro-batch's) metrics; reduce_metrics averages the repeats."""
+    for k, v in new.items():
+        metrics.setdefault(k, []).append(torch.as_tensor(v).detach().float().cpu().reshape(()))
+
+
+def reduce_metrics(metrics: dict[str, list]) -> dict[str, float]:
+    """Mean over repeats and ranks (TP peers hold equal values); max / min for *_max / *_min. One sync."""
+    keys = sorted(metrics)
+    pick = lambda k, v: v.max() if k.endswith("_max") else v.min() if k.endswith("_min") else v.mean()  # noqa: E731
+    vals = torch.stack([pick(k, torch.stack(metrics[k])) for k in keys])
+    if dist.is_initialized():
+        mx = vals.clone()
+        mn = vals.clone()
+        for t, op in ((vals, dist.ReduceOp.SUM), (mx, dist.ReduceOp.MAX), (mn, dist.ReduceOp.MIN)):
+            dist.all_reduce(t, op=op)
+        vals = vals / dist.get_world_size()
+        vals = torch.where(torch.tensor([k.endswith("_max") for k in keys]), mx, vals)
+        vals = torch.where(torch.tensor([k.endswith("_min") for k in keys]), mn, vals)
+    return dict(zip(keys, vals.tolist()))
+
+
+def minibatches(rows: int, cfg: Config, step: int, epoch: int) -> list[torch.Tensor]:
+    """Shuffled row indices per minibatch; the same on TP peers (same seed), which see the same rows."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + epoch)
+    return list(torch.randperm(rows, generator=g).chunk(cfg.minibatches))
+
+
+def micro(idx: torch.Tensor, cfg: Config) -> list[torch.Tensor]:
+    return list(idx.split(cfg.micro_batch))
+
+
+def response_logits(model, b, rows):
+    """Logits [b, T, V] predicting the response tokens: logits[:, j] predicts token j + 1 (TrainBatch layout)."""
+    P = b.response_start
+    return model(input_ids=b.input_ids[rows], attention_mask=b.attention_mask[rows], position_ids=b.position_ids[rows]).logits[:, P - 1 : -1]
+
+
+def response_values(critic, b, rows):
+    """Values [b, T]: V of the state before each response token (same positions as response_logits)."""
+    P = b.response_start
+    return critic_values(critic, b.input_ids[rows], b.attention_mask[rows], position_ids=b.position_ids[rows])[:, P - 1 : -1]
+
+
+def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, bool]:
+    """Sum gradients over dp, clip, step unless the gradient is non-finite (then skip). Same decision on all ranks:
+    the norm is of the reduced, global gradient."""
+    all_reduce_grads(model, dp_group)
+    norm = clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+    ok = bool(torch.isfinite(norm))
+    if ok:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return norm.detach(), ok
+
+
+def make_engine(cfg: Config, path: str, device):
+    if cfg.engine == "sglang":
+        from rollout import SGLangEngine
+
+        return SGLangEngine(path, dtype=cfg.engine_dtype)
+    from rollout import EmbeddedEngine
+
+    return EmbeddedEngine(path, dtype=cfg.engine_dtype, device=device)
+
+
+def decode(tok, ro) -> list[str]:
+    return tok.batch_decode([t[m].tolist() for t, m in zip(ro.tokens, ro.mask)], skip_special_tokens=True)
+
+
+def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int) -> dict[str, float]:
+    """Greedy (top-1) and sampled mean reward on the first eval_size held-out problems (= exact-match accuracy
+    for the built-in tasks), sharded over the engine ranks and summed over all ranks."""
+    counts = torch.zeros(3)
+    if engine is not None:
+        test = task.test.select(range(min(cfg.eval_size, len(task.test))))
+        rows = list(range(dp_rank, len(test), dp))
+        ids = [encode_prompt(tok, test[i]["prompt"]) for i in rows]
+        answers = [test[i]["answer"] for i in rows]
+        for k, s in enumerate((Sampling(**{**asdict(sampling), "top_k": 1, "n": 1}), Sampling(**{**asdict(sampling), "n": 1, "seed": cfg.seed + 7}))):
+            counts[k] = score(task, decode(tok, engine.generate(ids, s)), answers).sum() if ids else 0.0
+        counts[2] = len(ids)
+    all_reduce(counts)
+    return {"eval/greedy_acc": (counts[0] / counts[2]).item(), "eval/sampled_acc": (counts[1] / counts[2]).item()}
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def main(cfg: Config) -> list[dict]:
+    """Run (or resume) training; returns the metrics history (rank 0; other ranks get an empty list)."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data.tasks import get_task
+    from runlog import RunLog, latest_checkpoint, load_trainer_state, save_checkpoint
+
+    rt = init_runtime()
+    plan = resolve(cfg, rt.world_size)
+    task = get_task(cfg.task)  # a bad task or data file fails here, before any model is built
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+    mesh = make_mesh(rt, cfg.tp)
+    dp_group, tp_mesh = (mesh["dp"].get_group(), mesh["tp"]) if mesh else (None, None)
+    dp_rank = mesh["dp"].get_local_rank() if mesh else 0
+    is_engine_rank = tp_mesh is None or tp_mesh.get_local_rank() == 0
+    model_path = cfg.model
+    if not model_path:
+        from data.tiny import default_model
+
+        if rt.rank == 0:
+            default_model(os.path.join(REPO, ".cache"))  # built once, by rank 0; the others find it cached
+        if dist.is_initialized():
+            dist.barrier()
+        model_path = default_model(os.path.join(REPO, ".cache"))
+
+    ckpt = latest_checkpoint(cfg.out_dir)
+    policy_path = os.path.join(ckpt, "policy") if ckpt else model_path
+    tok = AutoTokenizer.from_pretrained(model_path)
+    torch.manual_seed(cfg.seed)
+    policy = parallelize(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(rt.device), tp_mesh)
+    opts = {"policy": torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)}
+    critic = ref = None
+    if cfg.algo == "ppo":
+        critic = load_critic(os.path.join(ckpt, "critic"), torch.float32) if ckpt else build_critic(model_path, dtype=torch.float32)
+        if cfg.freeze_critic_attention:
+            for name, p in critic.named_parameters():
+                p.requires_grad_(".self_attn." not in name)
+        critic = parallelize(critic.to(rt.device), tp_mesh)
+        opts["critic"] = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=plan["critic_lr"], weight_decay=0.0)
+    if cfg.kl != "none":  # the frozen initial policy, also on resume
+        ref = parallelize(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(rt.device), tp_mesh).eval().requires_grad_(False)
+    start, bad_steps = 0, 0
+    if ckpt:
+        state = load_trainer_state(ckpt, rt.rank, rt.world_size, opts)
+        if state["tp"] != cfg.tp:
+            raise ValueError(f"checkpoint {ckpt} was written with --tp {state['tp']}, this run has --tp {cfg.tp}")
+        start, bad_steps = state["step"], state["bad_steps"]
+    engine = make_engine(cfg, policy_path, rt.device) if is_engine_rank else None
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or task.max_new_tokens, (tok.eos_token_id,), plan["n"], cfg.seed)
+    log = RunLog(cfg.out_dir, rt.rank, {**asdict(cfg), **plan, "model_path": model_path}, start, cfg.wandb, cfg.tensorboard)
+    if rt.rank == 0:
+        print(f"{'resuming at step ' + str(start) if ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
+              f"world {rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}")
+    if start == 0:
+        before = evaluate(engine, tok, task, cfg, sampling, dp_rank, plan["dp"])
+        log.log({"step": 0, **before})
+        if rt.rank == 0:
+            print(f"before RL: greedy accuracy {before['eval/greedy_acc']:.1%}, sampled {before['eval/sampled_acc']:.1%} on {min(cfg.eval_size, len(task.test))} held-out problems")
+    order = {}  # epoch -> permutation of the train set, the same on every rank
+    n_train = len(task.train)
+    bar = tqdm(total=cfg.steps, initial=start, disable=rt.rank != 0, dynamic_ncols=True)
+    for step in range(start, cfg.steps):
+        m: dict[str, list] = {}
+        times: dict[str, float] = {}
+        t_step = time.perf_counter()
+
+        # 1 rollout: this replica's prompts, generated by its engine rank, shared with its TP peers
+        with timed(times, "rollout"):
+            first = step * plan["prompts"] * plan["dp"] + dp_rank * plan["prompts"]
+            idx = []
+            for i in range(first, first + plan["prompts"]):
+                epoch = i // n_train
+                if epoch not in order:
+                    order[epoch] = torch.randperm(n_train, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+                idx.append(order[epoch][i % n_train])
+            rows = task.train.select(idx)
+            answers = [a for a in rows["answer"] for _ in range(plan["n"])]
+            ro = None
+            if engine is not None:
+                # Row r of this call is sampled with seed + r (engine contract), so the global batch does not
+                # depend on how it is split over data-parallel ranks.
+                seed = cfg.seed * 1_000_003 + step * cfg.rollout_batch + dp_rank * plan["rows"]
+                ro = engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], Sampling(**{**asdict(sampling), "seed": seed}))
+                engine.sleep()
+            if tp_mesh is not None and tp_mesh.size() > 1:
+                box = [ro]
+                dist.broadcast_object_list(box, group_src=0, group=tp_mesh.get_group())
+                ro = box[0]
+
+        # 2 reward: outcome reward on the last response token
+        with timed(times, "reward"):
+            scores = score(task, decode(tok, ro), answers)
+            b = ro.to_batch(tok.pad_token_id)
+            b = type(b)(*(x.to(rt.device) if torch.is_tensor(x) else x for x in b))
+            tokens, mask, infer_logp = ro.tokens.to(rt.device), ro.mask.to(rt.device), ro.infer_logp.to(rt.device)
+            lengths = mask.sum(-1)
+
+        # 3 recompute at the rollout weights: pi_old, V_old, pi_ref
+        with timed(times, "recompute"), torch.no_grad():
+            all_rows = torch.arange(len(tokens))
+            lp = lambda model, r: L.token_logprobs(response_logits(model, b, r), tokens[r], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)  # noqa: E731
+            old_logp = torch.cat([lp(policy, r) for r in micro(all_rows, cfg)])
+            ref_logp = torch.cat([lp(ref, r) for r in micro(all_rows, cfg)]) if ref is not None else None
+            old_values = torch.cat([response_values(critic, b, r) for r in micro(all_rows, cfg)]) if critic is not None else None
+
+        # 4 advantages
+        with timed(times, "advantages"):
+            rewards = torch.zeros_like(old_logp)
+            rewards[all_rows, lengths - 1] = scores.to(rt.device)
+            if cfg.kl == "k1-reward":
+                rewards = rewards - cfg.kl_coef * L.kl_estimate(old_logp, ref_logp, "k1") * mask
+            if cfg.algo == "ppo":
+                _, returns = L.gae(rewards, old_values, mask, cfg.gamma, cfg.lam_critic)
+                lam = L.length_adaptive_lambda(lengths, cfg.adaptive_lambda) if cfg.adaptive_lambda > 0 else cfg.lam_policy
+                adv, _ = L.gae(rewards, old_values, mask, cfg.gamma, lam)
+                if cfg.whiten_advantages:
+                    adv = whiten(adv, mask, dp_group)
+            else:
+                adv = L.grpo_advantages((rewards * mask).sum(-1), plan["n"], cfg.grpo_std)[:, None] * mask
+
+        # 5 mismatch correction: IcePop weights M(k) (or TIS / geo mask); DIS acts inside its loss
+        with timed(times, "correction"):
+            add(m, L.mismatch_metrics(old_logp, infer_logp, mask, cfg.icepop_low, cfg.icepop_high))
+            is_w = None
+            if cfg.correction == "icepop":
+                is_w, cm = L.icepop_weights(old_logp, infer_logp, mask, cfg.icepop_low, cfg.icepop_high)
+            elif cfg.correction == "tis":
+                is_w, cm = L.tis_weights(old_logp, infer_logp, mask, cap=cfg.tis_cap)
+            elif cfg.correction == "geo":
+                is_w, cm = L.geo_seq_mask(old_logp, infer_logp, mask, cfg.icepop_low, cfg.icepop_high)
+            add(m, cm if is_w is not None else {})
+            # Dropped tokens stay in the denominator (IcePop paper) unless asked otherwise (verl's form).
+            loss_mask = mask & (is_w > 0) if is_w is not None and cfg.drop_masked_from_denominator else mask
+
+        # 6 critic updates (K passes), GAE(lambda_critic) returns as targets
+        with timed(times, "critic"):
+            for k in range(cfg.critic_updates if critic is not None else 0):
+                for mb in minibatches(len(tokens), cfg, step, 1000 + k):
+                    denom = all_reduce(L.loss_denominator(mask[mb], cfg.agg, sampling.max_new_tokens), dp_group)
+                    for r in micro(mb, cfg):
+                        loss, vm = L.value_loss(response_values(critic, b, r), old_values[r], returns[r], mask[r], clip=cfg.value_clip or None,
+                                                scale=cfg.value_scale, agg=cfg.agg, num_tokens=denom)
+                        loss.backward()
+                        add(m, vm)
+                    norm, ok = optimizer_step(critic, opts["critic"], cfg, dp_group)
+                    add(m, {"critic/grad_norm": norm})
+            if critic is not None:
+                add(m, {"critic/explained_variance": L.explained_variance(old_values, returns, mask)})
+
+        # 7 policy updates: PPO-clip (or DIS) with the correction's weights, global token denominator
+        update_policy = step >= cfg.critic_warmup or cfg.algo != "ppo"
+        with timed(times, "policy"):
+            for epoch in range(cfg.ppo_epochs if update_policy else 0):
+                for mb in minibatches(len(tokens), cfg, step, epoch):
+                    denom = all_reduce(L.loss_denominator(loss_mask[mb], cfg.agg, sampling.max_new_tokens), dp_group)
+                    for r in micro(mb, cfg):
+                        logits = response_logits(policy, b, r)
+                        logp = L.token_logprobs(logits, tokens[r], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+                        if cfg.correction == "dis":
+                            loss, pm = L.dis_policy_loss(logp, infer_logp[r], adv[r], loss_mask[r], eps_low=cfg.clip_low,
+                                                         eps_high=cfg.clip_high, agg=cfg.agg, num_tokens=denom)
+                        else:
+                            loss, pm = L.ppo_policy_loss(logp, old_logp[r], adv[r], loss_mask[r], clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                                         dual_clip=cfg.dual_clip or None, is_weights=None if is_w is None else is_w[r],
+                                                         agg=cfg.agg, num_tokens=denom)
+                        if cfg.kl == "k3-loss":
+                            kl = L.aggregate(L.kl_estimate(logp, ref_logp[r], "k3"), loss_mask[r], cfg.agg, denom)
+                            loss = loss + cfg.kl_coef * kl
+                            pm["ppo/kl_ref"] = kl.detach()
+                        loss.backward()
+                        pm["ppo/entropy"] = L.masked_mean(L.entropy_from_logits(logits.detach(), cfg.temperature), mask[r])
+                        add(m, pm)
+                    norm, ok = optimizer_step(policy, opts["policy"], cfg, dp_group)
+                    bad_steps = 0 if ok else bad_steps + 1
+                    add(m, {"ppo/grad_norm": norm, "train/skipped_update": float(not ok)})
+                    if bad_steps >= cfg.max_bad_steps:
+                        raise RuntimeError(f"step {step}: {bad_steps} consecutive policy updates had a non-finite loss or gradient "
+                                           f"(last grad norm {norm.item()}); lower --lr, check the rewards, or restart from the last checkpoint")
+
+        # 8 weight sync: wake the engine, push the new full weights bucket by bucket (every TP rank gathers)
+        with timed(times, "sync"):
+            if engine is not None:
+                engine.wake()
+            if update_policy:
+                for bucket in full_weights(policy):
+                    if engine is not None:
+                        engine.update_weights(bucket)
+
+        # 9 metrics, evaluation, checkpoint
+        n_tok = lengths.sum()
+        add(m, {
+            "rollout/reward_mean": scores.mean(), "rollout/response_len_mean": lengths.float().mean(),
+            "rollout/response_len_max": lengths.max().float(), "rollout/tokens_per_s": n_tok / times["time/rollout"],
+            "rollout/truncated_frac": sum(f == "length" for f in ro.finish_reasons) / len(ro.finish_reasons),
+        })
+        times["time/step"] = time.perf_counter() - t_step
+        add(m, times)
+        row = {"step": step + 1, **reduce_metrics(m)}
+        last = step + 1 == cfg.steps
+        if (step + 1) % cfg.eval_every == 0 or last:
+            row.update(evaluate(engine, tok, task, cfg, sampling, dp_rank, plan["dp"]))
+        log.log(row)
+        bar.update(1)
+        bar.set_postfix(reward=f"{row['rollout/reward_mean']:.2f}", acc=f"{row.get('eval/greedy_acc', float('nan')):.2f}",
+                        masked=f"{row['mismatch/masked_frac']:.2%}")
+        if rt.rank == 0:
+            tqdm.write(f"step {step + 1:4d} | reward {row['rollout/reward_mean']:.3f} | len {row['rollout/response_len_mean']:.1f}"
+                       f" | masked {row['mismatch/masked_frac']:.3%} | k3 {row['mismatch/k3']:.2e}"
+                       + (f" | vloss {row['critic/value_loss']:.4f} | ev {row['critic/explained_variance']:.2f}" if critic is not None else "")
+                       + (f" | greedy acc {row['eval/greedy_acc']:.1%}" if "eval/greedy_acc" in row else "")
+                       + f" | {row['time/step']:.2f}s")
+        if "eval/greedy_acc" in row or last:
+            log.plot()
+        if (step + 1) % cfg.save_every == 0 or last:
+            save_checkpoint(cfg.out_dir, step + 1, rt.rank, rt.world_size, cfg.keep_checkpoints, policy=policy, critic=critic, tokenizer=tok,
+                            optimizers=opts, extra={"bad_steps": bad_steps, "tp": cfg.tp})
+    bar.close()
+    if rt.rank == 0 and log.history:
+        first, final = log.history[0], log.history[-1]
+        if "eval/greedy_acc" in first and "eval/greedy_acc" in final:
+            print(f"after RL ({cfg.steps} steps): greedy accuracy {first['eval/greedy_acc']:.1%} -> {final['eval/greedy_acc']:.1%}, "
+                  f"sampled {first['eval/sampled_acc']:.1%} -> {final['eval/sampled_acc']:.1%}")
+    if engine is not None:
+        engine.shutdown()
+    return log.history
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Config))
+    if dist.is_initialized():
+        dist.destroy_process_group()
