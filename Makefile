@@ -1,6 +1,7 @@
 # Quick start: `make train` runs the main job, `make test` the tests. Each builds what it needs on first use.
 PYTHON ?= python3
 VENV ?= .venv
+SGL_VENV ?= .venv-sglang
 PY := $(VENV)/bin/python
 # Without CUDA take the CPU build of torch; a bare `torch` requirement pulls a multi-GB CUDA build.
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
@@ -11,11 +12,24 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(VENV)/bin/pip install -q -r requirements.txt -r requirements-dev.txt
 	touch $@
 
-.PHONY: venv train test
+# SGLang 0.5.23 in its CPU mode, in its own venv (it pins transformers 5.19): see scripts/install_sglang_cpu.sh.
+$(SGL_VENV)/.installed: scripts/install_sglang_cpu.sh scripts/sglang_cpu/constraints.txt requirements.txt requirements-dev.txt
+	VENV=$(SGL_VENV) bash scripts/install_sglang_cpu.sh
+	touch $@
+
+.PHONY: venv sglang train test test-core test-sglang
 venv: $(VENV)/.installed
+sglang: $(SGL_VENV)/.installed
 
 train: $(VENV)/.installed
 	bash runs/cpu.sh
 
-test: $(VENV)/.installed
+# The whole suite twice: with the newest transformers (SGLang tier skipped), then in the SGLang venv
+# (transformers 5.19, the SGLang tier included).
+test: test-core test-sglang
+
+test-core: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+test-sglang: $(SGL_VENV)/.installed
+	$(SGL_VENV)/bin/python -m pytest -q

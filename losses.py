@@ -312,7 +312,7 @@ def loss_denominator(mask: Tensor, agg: str, max_len: int | None = None) -> Tens
     micro-batch losses then add up to the full-batch loss, and their gradients to its gradient.
     """
     if agg == "token-mean":
-        return mask.sum().float()
+        return mask.sum().float().clamp_min(1)  # no valid token: the loss is 0, not 0/0
     if agg == "seq-mean-token-mean":
         return torch.tensor(float(mask.size(0)), device=mask.device)
     if agg == "seq-mean-token-sum-norm":
@@ -438,9 +438,10 @@ def value_loss(
     v, r = values.float(), returns.float()
     err = (v - r) ** 2
     if clip is not None:
-        v_clipped = old_values.float() + (v - old_values.float()).clamp(-clip, clip)
-        err_clipped = (v_clipped - r) ** 2
-        clipfrac = _mean0((err_clipped > err).float(), mask)
+        delta = v - old_values.float()
+        err_clipped = (old_values.float() + delta.clamp(-clip, clip) - r) ** 2
+        # Count only tokens really outside the clip range: inside it the two errors differ by rounding alone.
+        clipfrac = _mean0(((delta.abs() > clip) & (err_clipped > err)).float(), mask)
         err = torch.maximum(err, err_clipped)
     else:
         clipfrac = torch.zeros((), device=mask.device)

@@ -136,6 +136,16 @@ class Engine(Protocol):
         """Release everything; the engine cannot be used afterwards."""
 
 
+def __getattr__(name: str):
+    """`from rollout import SGLangEngine`: the SGLang engine lives in sglang_engine.py (it imports sglang
+    lazily), so `import rollout` works without SGLang installed."""
+    if name == "SGLangEngine":
+        from sglang_engine import SGLangEngine
+
+        return SGLangEngine
+    raise AttributeError(f"module 'rollout' has no attribute {name!r}")
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: fp8 weights, bf16 compute
 # Largest finite float8_e4m3fn value: the per-channel scale maps each row's absmax onto it.
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -286,7 +296,7 @@ class EmbeddedEngine:
         key, rows = self._where[name]
         return self._store[key][rows]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the tensors may come from a generator running collectives (DTensor gathers)
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Copy full tensors (HF names) into the engine, applying the precision transform again.
 

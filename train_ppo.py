@@ -37,6 +37,8 @@ from rollout import Sampling
 from value_model import build_critic, critic_values, load_critic
 
 REPO = os.path.dirname(os.path.abspath(__file__))
+# Share of each GPU that SGLang reserves for weights + KV cache when colocated with the trainer.
+SGLANG_GPU_MEM_FRACTION = 0.4
 
 
 @dataclass
@@ -303,11 +305,26 @@ def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, boo
     return norm.detach(), ok
 
 
+def peak_memory_gib(device) -> float:
+    """Peak GPU memory allocated by torch, or on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
 def make_engine(cfg: Config, path: str, device):
     if cfg.engine == "sglang":
         from rollout import SGLangEngine
 
-        return SGLangEngine(path, dtype=cfg.engine_dtype)
+        if cfg.engine_dtype == "fp8":
+            raise ValueError("--engine sglang takes --engine-dtype fp32 or bf16 here (SGLang's fp8 needs GPU kernels)")
+        if device.type != "cuda":
+            return SGLangEngine(path, dtype=cfg.engine_dtype)
+        # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
+        # memory is released in sleep() during training, but its reservation is sized at start).
+        return SGLangEngine(path, dtype=cfg.engine_dtype, base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
     from rollout import EmbeddedEngine
 
     return EmbeddedEngine(path, dtype=cfg.engine_dtype, device=device)
@@ -322,11 +339,12 @@ def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, d
     for the built-in tasks), sharded over the engine ranks and summed over all ranks."""
     counts = torch.zeros(3)
     if engine is not None:
-        test = task.test.select(range(min(cfg.eval_size, len(task.test))))
-        rows = list(range(dp_rank, len(test), dp))
-        ids = [encode_prompt(tok, test[i]["prompt"]) for i in rows]
-        answers = [test[i]["answer"] for i in rows]
-        for k, s in enumerate((Sampling(**{**asdict(sampling), "top_k": 1, "n": 1}), Sampling(**{**asdict(sampling), "n": 1, "seed": cfg.seed + 7}))):
+        n = min(cfg.eval_size, len(task.test))
+        lo, hi = n * dp_rank // dp, n * (dp_rank + 1) // dp  # contiguous shards: row seeds as in one process
+        test = task.test.select(range(lo, hi))
+        ids, answers = [encode_prompt(tok, p) for p in test["prompt"]], test["answer"]
+        seed = cfg.seed + 7 + lo
+        for k, s in enumerate((Sampling(**{**asdict(sampling), "top_k": 1, "n": 1}), Sampling(**{**asdict(sampling), "n": 1, "seed": seed}))):
             counts[k] = score(task, decode(tok, engine.generate(ids, s)), answers).sum() if ids else 0.0
         counts[2] = len(ids)
     all_reduce(counts)
@@ -522,9 +540,14 @@ def main(cfg: Config) -> list[dict]:
             if engine is not None:
                 engine.wake()
             if update_policy:
-                for bucket in full_weights(policy):
-                    if engine is not None:
-                        engine.update_weights(bucket)
+                # One stream of (hf_name, full tensor), gathered bucket by bucket; the engine re-buckets and
+                # flushes its cache once at the end. TP peers without an engine still run the all-gathers.
+                weights = (pair for bucket in full_weights(policy) for pair in bucket)
+                if engine is not None:
+                    engine.update_weights(weights)
+                else:
+                    for _ in weights:
+                        pass
 
         # 9 metrics, evaluation, checkpoint
         n_tok = lengths.sum()
@@ -535,6 +558,7 @@ def main(cfg: Config) -> list[dict]:
         })
         times["time/step"] = time.perf_counter() - t_step
         add(m, times)
+        add(m, {"mem/peak_gib_max": peak_memory_gib(rt.device)})
         row = {"step": step + 1, **reduce_metrics(m)}
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.eval_every == 0 or last:

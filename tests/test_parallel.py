@@ -59,8 +59,10 @@ def test_tp2_and_dp2_match_one_process(tmp_path):
 
 def meta_model(cls=transformers.LlamaForCausalLM, **overrides):
     """A model without storage (on the meta device): enough for the size checks."""
+    config = tiny_config(**{"vocab_size": 300, "num_hidden_layers": 1, **overrides})
+    config.vocab_size = overrides.get("vocab_size", 300)  # unpadded: tiny_config rounds it up for TP
     with torch.device("meta"):
-        return cls(tiny_config(**{"vocab_size": 300, "num_hidden_layers": 1, **overrides}))
+        return cls(config)
 
 
 @pytest.mark.parametrize("overrides, tp, named", [

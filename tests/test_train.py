@@ -1,6 +1,7 @@
 """train_ppo.py end to end on the tiny model: it learns, resumes exactly, refuses bad input, and its
 data-parallel and tensor-parallel runs equal the single-process step."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from train_ppo import Config, main, resolve, score
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-VOLATILE = ("time/", "rollout/tokens_per_s")  # wall-clock figures differ between any two runs
+VOLATILE = ("time/", "rollout/tokens_per_s", "mem/")  # wall-clock and memory figures differ between any two runs
 
 
 def rows(path):
@@ -158,8 +159,27 @@ def test_torchrun_step_equals_single_process(tmp_path, mode):
         "rollout/reward_mean", "rollout/response_len_mean", "rollout/truncated_frac", "eval/greedy_acc", "eval/sampled_acc",
         "ppo/grad_norm", "critic/grad_norm"]
     for k in exact:
-        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+        # fp32 noise (1e-6) shows in the mismatch metrics, and can move a token across a clip boundary.
+        assert b[k] == pytest.approx(a[k], rel=1e-3, abs=5e-3 if "frac" in k else 1e-5), k
+    # Adam's first step moves every weight by about lr * sign(grad), so where a gradient is within a few eps
+    # of zero, summation-order rounding (~1e-10) moves that weight by a fraction of lr. Observed: max
+    # 0.15 lr on under 0.05% of the entries; a wrong or unreduced gradient flips many entries by 2 lr.
+    lr = Config().lr
     wa, wb = _final_weights(tmp_path / "single"), _final_weights(tmp_path / "par")
     assert wa.keys() == wb.keys()
     for name in wa:
-        torch.testing.assert_close(wb[name], wa[name], atol=2e-6, rtol=0, msg=name)
+        diff = (wb[name] - wa[name]).abs()
+        assert diff.max() <= 0.3 * lr and (diff > 0.01 * lr).float().mean() < 1e-3, (name, diff.max().item())
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed here: `make sglang`, then run the suite with .venv-sglang")
+def test_sglang_engine_end_to_end(tmp_path):
+    """The whole loop with SGLang as the rollout engine (CPU mode): it generates, trains, syncs weights, and in
+    fp32 its log-probs agree with the trainer's (no IcePop masking)."""
+    hist = main(small(tmp_path, engine="sglang", engine_dtype="fp32", steps=3, eval_every=3, eval_size=32))
+    assert [r["step"] for r in hist] == [0, 1, 2, 3]
+    for row in hist[1:]:
+        assert row["mismatch/abs_diff_max"] < 1e-3 and row["mismatch/masked_frac"] == 0
+        assert row["rollout/response_len_mean"] > 0
+    assert 0 <= hist[-1]["eval/greedy_acc"] <= 1

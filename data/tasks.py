@@ -1,0 +1,168 @@
+"""Tasks: a train/test split of prompts with reference answers, plus the reward function.
+
+A prompt is the user message (the chat template is applied by the rollout engine); an answer is
+the exact string the completion must equal. All rewards here are single terminal rewards.
+
+    addition  "042+315" -> "0357"                          (5 response tokens with <|im_end|>)
+    sort      "sort: 42 07 93 ..." -> "07 42 93 ..."        (33 response tokens: long horizon)
+    a file    your own {"prompt", "answer"} rows, JSONL or parquet, exact-match reward
+
+`get_task(name)` picks one by name or path.
+"""
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import datasets
+import pyarrow.parquet
+
+
+@dataclass
+class Task:
+    name: str
+    train: datasets.Dataset
+    """Columns `prompt` (str, the user message) and `answer` (str)."""
+    test: datasets.Dataset
+    """Same columns as `train`, prompts disjoint from it for the generated tasks."""
+    reward_fn: Callable[[list[str], list[str]], list[float]]
+    """(completions, answers) -> one float per completion."""
+    max_new_tokens: int
+    """Generation budget: the longest answer plus slack for <|im_end|> and near misses."""
+
+
+def exact_match_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 where the completion, stripped of surrounding whitespace, equals the answer, else 0.0."""
+    if len(completions) != len(answers):
+        raise ValueError(f"exact_match_reward: {len(completions)} completions but {len(answers)} answers")
+    return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
+
+
+def _dataset(pairs: list[tuple[str, str]]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"prompt": [p for p, _ in pairs], "answer": [a for _, a in pairs]})
+
+
+def _split_unique(make_example: Callable[[random.Random], tuple[str, str]], n_train: int, n_test: int,
+                  seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Draw n_train + n_test examples with distinct prompts, so the test prompts never occur in train."""
+    rng = random.Random(seed)
+    examples: dict[str, str] = {}
+    while len(examples) < n_train + n_test:
+        prompt, answer = make_example(rng)
+        examples.setdefault(prompt, answer)
+    pairs = list(examples.items())  # dicts keep insertion order, so this is deterministic for a seed
+    return _dataset(pairs[n_test:]), _dataset(pairs[:n_test])
+
+
+def addition_task(seed: int = 0, n_train: int = 20000, n_test: int = 500) -> Task:
+    """Fixed-width 3-digit addition: prompt "042+315", answer "0357" (always 4 digits, zero padded).
+
+    The fixed width makes every answer 4 digit tokens + <|im_end|> with the byte-level tokenizer.
+    """
+    if n_train + n_test > 10**6:
+        raise ValueError(f"addition_task: only 10^6 distinct problems exist, asked for {n_train + n_test}")
+
+    def make_example(rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randrange(1000), rng.randrange(1000)
+        return f"{a:03d}+{b:03d}", f"{a + b:04d}"
+
+    train, test = _split_unique(make_example, n_train, n_test, seed)
+    return Task("addition", train, test, exact_match_reward, max_new_tokens=8)
+
+
+def sort_task(seed: int = 0, n_train: int = 20000, n_test: int = 500, n_numbers: int = 11) -> Task:
+    """Sort two-digit numbers: prompt "sort: 42 07 93 ...", answer "07 42 93 ..." (ascending, space separated).
+
+    With 11 numbers the answer is 11 * 2 digits + 10 spaces = 32 tokens, rewarded only as a whole at
+    the end: a long-horizon task where per-token credit assignment (the critic) matters.
+    """
+    if n_numbers < 2:
+        raise ValueError(f"sort_task: n_numbers must be >= 2, got {n_numbers}")
+
+    def make_example(rng: random.Random) -> tuple[str, str]:
+        numbers = [rng.randrange(100) for _ in range(n_numbers)]
+        return "sort: " + " ".join(f"{x:02d}" for x in numbers), " ".join(f"{x:02d}" for x in sorted(numbers))
+
+    train, test = _split_unique(make_example, n_train, n_test, seed)
+    answer_tokens = 3 * n_numbers - 1
+    return Task("sort", train, test, exact_match_reward, max_new_tokens=answer_tokens + 8)
+
+
+def _read_rows(path: str) -> list[tuple[str, dict]]:
+    """(where, row) for each row of a .jsonl (one JSON object per line) or .parquet file, in file order.
+    `where` names the row for error messages: "row 2 (line 3)" for JSONL, "row 2" for parquet."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".jsonl":
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"row {len(rows)} (line {line_no})"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: {where} is not valid JSON: {e}") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}: {where} is a {type(row).__name__}, "
+                                     "expected a JSON object like {\"prompt\": ..., \"answer\": ...}")
+                rows.append((where, row))
+        return rows
+    if ext == ".parquet":
+        # pyarrow directly: Dataset.from_parquet would also write a copy into the HF datasets cache.
+        return [(f"row {i}", row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]
+    raise ValueError(f"{path}: unknown file type {ext!r}; use .jsonl (one JSON object per line) or .parquet")
+
+
+def load_task(path: str, *, prompt_field: str = "prompt", answer_field: str = "answer",
+              test_fraction: float = 0.1, seed: int = 0, max_new_tokens: int | None = None) -> Task:
+    """Your own prompts from a JSONL or parquet file, scored by exact match against `answer_field`.
+
+    Every row needs a non-empty string prompt and a string answer; the first row that does not
+    have them raises a ValueError naming the file, the row index (0-based; and the line for JSONL)
+    and the field.
+    The split is a seeded shuffle; `test_fraction` of the rows (at least one) become the test set.
+    `max_new_tokens` defaults to the longest answer in UTF-8 bytes + 8, an upper bound on its token
+    count for byte-level BPE tokenizers (every token covers at least one byte).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_task: no such file: {path}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"load_task: test_fraction must be in (0, 1), got {test_fraction}")
+    rows = _read_rows(path)
+    if len(rows) < 2:
+        raise ValueError(f"{path}: need at least 2 rows (one train, one test), found {len(rows)}")
+    pairs = []
+    for where, row in rows:
+        for field in (prompt_field, answer_field):
+            if field not in row:
+                raise ValueError(f"{path}: {where} has no field {field!r} (it has {sorted(row)})")
+            if row[field] is None:
+                raise ValueError(f"{path}: {where} field {field!r} is null, expected a string")
+            if not isinstance(row[field], str):
+                raise ValueError(f"{path}: {where} field {field!r} has type {type(row[field]).__name__}, expected a string")
+        if not row[prompt_field].strip():
+            raise ValueError(f"{path}: {where} field {prompt_field!r} is empty")
+        pairs.append((row[prompt_field], row[answer_field]))
+
+    random.Random(seed).shuffle(pairs)
+    n_test = min(len(pairs) - 1, max(1, round(test_fraction * len(pairs))))
+    if max_new_tokens is None:
+        max_new_tokens = max(len(a.encode("utf-8")) for _, a in pairs) + 8
+    name = os.path.splitext(os.path.basename(path))[0]
+    return Task(name, _dataset(pairs[n_test:]), _dataset(pairs[:n_test]), exact_match_reward, max_new_tokens)
+
+
+TASKS = {"addition": addition_task, "sort": sort_task}
+
+
+def get_task(name: str) -> Task:
+    """A built-in task by name ("addition", "sort") or a user file (.jsonl / .parquet) by path."""
+    if name in TASKS:
+        return TASKS[name]()
+    if name.lower().endswith((".jsonl", ".parquet")):
+        return load_task(name)
+    raise ValueError(f"unknown task {name!r}: choose one of {sorted(TASKS)} or give a path to a "
+                     ".jsonl / .parquet file with 'prompt' and 'answer' fields")

@@ -1,0 +1,214 @@
+"""data/: tokenizer, tiny model save/load, tasks and rewards, user files, warm-up."""
+
+import json
+import os
+import re
+
+import pyarrow as pa
+import pyarrow.parquet
+import pytest
+import torch
+import transformers
+
+from data.tasks import addition_task, exact_match_reward, get_task, load_task, sort_task
+from data.tiny import (EOS_ID, PAD_ID, _sft_batch, build_tiny_model, build_tokenizer, default_model,
+                       greedy_completions, tiny_config, warmup)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny")), seed=3)
+
+
+# --- tokenizer and model ---
+
+def test_tokenizer_is_byte_level():
+    tok = build_tokenizer()
+    text = "042+315 héllo\n"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert ids == list(text.encode("utf-8"))  # one token per byte, id == byte value
+    assert tok.decode(ids) == text
+    assert len(tok) == 259 and (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (PAD_ID, EOS_ID, None)
+    assert tok("<|im_start|>x<|im_end|>", add_special_tokens=False).input_ids == [257, ord("x"), 258]
+
+
+def test_chat_template():
+    tok = build_tokenizer()
+    msgs = [{"role": "user", "content": "042+315"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\n042+315<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template(msgs, tokenize=False) == "<|im_start|>user\n042+315<|im_end|>\n"
+
+
+def test_save_load_roundtrip(tiny_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    ref_tok = build_tokenizer()
+    torch.manual_seed(3)  # build_tiny_model's init, rebuilt independently in memory
+    ref = transformers.LlamaForCausalLM(tiny_config(len(ref_tok))).eval()
+
+    for text in ["<|im_start|>user\n042+315<|im_end|>\n", "sort: 07 42 é"]:
+        assert tok(text).input_ids == ref_tok(text).input_ids
+    assert tok.chat_template == ref_tok.chat_template
+    assert 0.9e6 < sum(p.numel() for p in model.parameters()) < 1.1e6
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    assert model.generation_config.eos_token_id == EOS_ID
+    ids = torch.randint(0, 259, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+    assert any((p1 != p2).any() for p1, p2 in zip(model.parameters(), transformers.LlamaForCausalLM(
+        tiny_config(259)).parameters())), "a different seed must give different weights"
+
+
+def test_greedy_completions_match_generate():
+    """Left-padded batched greedy decoding equals HF generate run on each prompt alone."""
+    tok = build_tokenizer()
+    torch.manual_seed(0)  # large init: a default-init random model emits one token whatever the context
+    model = transformers.LlamaForCausalLM(tiny_config(len(tok), initializer_range=0.5)).eval()
+    prompts = ["1+1", "042+315", "sort: 07 42 93 11"]
+    got = greedy_completions(model, tok, prompts, max_new_tokens=6)
+    for prompt, completion in zip(prompts, got):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+        out = model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert completion == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+# --- tasks and rewards ---
+
+def test_addition_task():
+    task = addition_task(seed=1, n_train=300, n_test=50)
+    again = addition_task(seed=1, n_train=300, n_test=50)
+    assert task.train.to_dict() == again.train.to_dict() and task.test.to_dict() == again.test.to_dict()
+    assert task.train.to_list() != addition_task(seed=2, n_train=300, n_test=50).train.to_list()
+    assert (len(task.train), len(task.test)) == (300, 50)
+    assert not set(task.train["prompt"]) & set(task.test["prompt"])
+    for row in list(task.train) + list(task.test):
+        a, b = row["prompt"].split("+")
+        assert len(a) == len(b) == 3 and len(row["answer"]) == 4 and int(row["answer"]) == int(a) + int(b)
+    assert task.max_new_tokens >= 5
+
+
+def test_sort_task():
+    task = sort_task(seed=0, n_train=200, n_test=20)
+    assert task.train.to_dict() == sort_task(seed=0, n_train=200, n_test=20).train.to_dict()
+    assert not set(task.train["prompt"]) & set(task.test["prompt"])
+    tok = build_tokenizer()
+    for row in list(task.train) + list(task.test):
+        numbers = row["prompt"].removeprefix("sort: ").split()
+        assert len(numbers) == 11 and row["answer"].split() == sorted(numbers)
+        n_answer = len(tok(row["answer"] + "<|im_end|>", add_special_tokens=False).input_ids)
+        assert 32 < n_answer <= task.max_new_tokens
+
+
+def test_exact_match_reward():
+    assert exact_match_reward(["0357", " 0357\n", "357", "03570", ""], ["0357"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="2 completions but 1 answers"):
+        exact_match_reward(["a", "b"], ["a"])
+
+
+ROWS = [{"prompt": f"q{i}", "answer": f"a{i}", "extra": i} for i in range(20)]
+
+
+def _write(path, rows):
+    if str(path).endswith(".parquet"):
+        pyarrow.parquet.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_load_task(tmp_path, ext):
+    path = _write(tmp_path / f"mine.{ext}", ROWS)
+    task = load_task(path, test_fraction=0.25, seed=0)
+    assert (task.name, len(task.train), len(task.test)) == ("mine", 15, 5)
+    rows = task.train.to_list() + task.test.to_list()
+    assert sorted((r["prompt"], r["answer"]) for r in rows) == sorted((r["prompt"], r["answer"]) for r in ROWS)
+    assert task.test.to_list() == load_task(path, test_fraction=0.25, seed=0).test.to_list()
+    assert task.test.to_list() != load_task(path, test_fraction=0.25, seed=1).test.to_list()
+    assert task.max_new_tokens == len("a19") + 8
+    assert task.reward_fn(["a1", "a2"], ["a1", "a1"]) == [1.0, 0.0]
+    assert get_task(path).train.column_names == ["prompt", "answer"]
+    renamed = [{"q": r["prompt"], "a": r["answer"]} for r in ROWS]
+    assert len(load_task(_write(tmp_path / f"renamed.{ext}", renamed), prompt_field="q", answer_field="a").test) == 2
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+@pytest.mark.parametrize("bad, message", [
+    ({"answer": "a"}, "has no field 'prompt'"),
+    ({"prompt": "q", "answer": None}, "field 'answer' is null"),
+    ({"prompt": "  ", "answer": "a"}, "field 'prompt' is empty"),
+])
+def test_load_task_malformed_row(tmp_path, ext, bad, message):
+    rows = [{"prompt": "q0", "answer": "a0"}, {"prompt": "q1", "answer": "a1"}, bad]
+    path = _write(tmp_path / f"bad.{ext}", rows)
+    if ext == "parquet" and "no field" in message:  # parquet has one schema: a row without the field reads as null
+        message = "field 'prompt' is null"
+    message = ("row 2 (line 3) " if ext == "jsonl" else "row 2 ") + message
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        load_task(path)
+    assert path in str(err.value)
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_load_task_non_string_field(tmp_path, ext):
+    rows = [{"prompt": "q0", "answer": "a0"}, {"prompt": "q1", "answer": 7}]
+    if ext == "parquet":  # a parquet column has one type, so the whole column is ints
+        rows = [{"prompt": "q0", "answer": 3}, {"prompt": "q1", "answer": 7}]
+    where = r"row 1 \(line 2\)" if ext == "jsonl" else "row 0"
+    with pytest.raises(ValueError, match=f"{where} field 'answer' has type int, expected a string"):
+        load_task(_write(tmp_path / f"bad.{ext}", rows))
+
+
+def test_load_task_bad_inputs(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"prompt": "q", "answer": "a"}\n\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"row 1 \(line 3\) is not valid JSON"):  # blank lines are skipped
+        load_task(str(tmp_path / "x.jsonl"))
+    (tmp_path / "x.csv").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match="unknown file type '.csv'"):
+        load_task(str(tmp_path / "x.csv"))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_task(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match=r"unknown task 'subtraction': choose one of \['addition', 'sort'\]"):
+        get_task("subtraction")
+
+
+# --- warm-up ---
+
+def test_sft_batch_masks_response_tokens_only():
+    tok = build_tokenizer()
+    ids, loss_mask = _sft_batch(tok, [([1, 2, 3], [4, 5]), ([1, 2], [6])])
+    assert ids.tolist() == [[1, 2, 3, 4, 5], [1, 2, 6, PAD_ID, PAD_ID]]
+    # logits at position t predict token t + 1: row 0 predicts 4, 5 from positions 2, 3; row 1 predicts 6 from 1
+    assert loss_mask.tolist() == [[False, False, True, True], [False, True, False, False]]
+
+
+def test_warmup_stops_at_target_and_is_deterministic(tiny_dir, tmp_path):
+    task = addition_task(n_train=400, n_test=10)
+    a = warmup(tiny_dir, str(tmp_path / "a"), task, target_acc=0.0, max_steps=50, n_eval=16, batch_size=8)
+    assert a["steps"] == 0 and a["history"] == [{"step": 0, "loss": None, "accuracy": 0.0}]  # met before training
+    b = warmup(tiny_dir, str(tmp_path / "b"), task, target_acc=1.0, max_steps=3, eval_every=2, n_eval=16, batch_size=8)
+    c = warmup(tiny_dir, str(tmp_path / "c"), task, target_acc=1.0, max_steps=3, eval_every=2, n_eval=16, batch_size=8)
+    assert b["steps"] == 3 and [h["step"] for h in b["history"]] == [0, 2, 3]  # the cap ends with an evaluation
+    assert b["history"] == c["history"]
+    mb, mc, m0 = (transformers.AutoModelForCausalLM.from_pretrained(d) for d in (tmp_path / "b", tmp_path / "c", tiny_dir))
+    for pb, pc, p0 in zip(mb.parameters(), mc.parameters(), m0.parameters()):
+        torch.testing.assert_close(pb, pc, rtol=0, atol=0)
+    assert any((pb != p0).any() for pb, p0 in zip(mb.parameters(), m0.parameters()))
+
+
+def test_default_model_reaches_target():
+    """Builds the default model once (about a minute, cached in .cache/) and re-checks its accuracy."""
+    path = default_model(cache_dir=os.path.join(ROOT, ".cache"))
+    assert default_model(cache_dir=os.path.join(ROOT, ".cache")) == path  # cached: same folder, no rebuild
+    assert not [d for d in os.listdir(os.path.dirname(path)) if d.startswith(".building-")]
+    stats = json.load(open(os.path.join(path, "warmup.json")))
+    assert stats["accuracy"] >= 0.4 and stats["steps"] < 600  # stopped at the target, not at the cap
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    val = addition_task().train[:256]  # warmup()'s validation slice
+    completions = greedy_completions(model, tok, val["prompt"], max_new_tokens=8)
+    assert sum(exact_match_reward(completions, val["answer"])) / 256 == stats["accuracy"]
