@@ -185,6 +185,8 @@ def resolve(cfg: Config, world_size: int) -> dict:
     if cfg.model and not os.path.isfile(os.path.join(cfg.model, "config.json")):
         errors.append(f"--model {cfg.model!r} is not a Hugging Face model folder (no config.json); hub names must be downloaded first")
     if cfg.engine == "sglang":
+        if cfg.engine_dtype == "fp8":
+            errors.append("--engine sglang takes --engine-dtype fp32 or bf16 (fp8 weights are the embedded engine's)")
         try:
             import sglang  # noqa: F401
         except ImportError as e:
@@ -226,13 +228,6 @@ def score(task, completions: list[str], answers: list[str]) -> torch.Tensor:
         i = bad[0].item()
         raise RuntimeError(f"reward function {fn} returned {rewards[i]} for sample {i} (completion {completions[i]!r}); rewards must be finite")
     return out
-
-
-def seq_forward(model, batch, rows: slice, fn):
-    """Run ``fn(model_output_tensor)`` on rows of a TrainBatch; returns the response-aligned [b, T, ...] slice.
-    logits[:, j] predicts token j + 1, so the response tokens P..P+T-1 are predicted at P-1..P+T-2."""
-    ids, attn, pos, P = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows], batch.response_start
-    return fn(ids, attn, pos)[:, P - 1 : -1]
 
 
 def all_reduce(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -305,6 +300,17 @@ def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, boo
     return norm.detach(), ok
 
 
+def check_finite(ok: bool, bad_steps: int, what: str, step: int, norm: torch.Tensor, cfg: Config) -> int:
+    """Count consecutive skipped (non-finite) updates; stop the run with a clear message after max_bad_steps."""
+    bad_steps = 0 if ok else bad_steps + 1
+    if not ok:
+        print(f"step {step + 1}: skipped a {what} update with a non-finite loss or gradient (norm {norm.item()})", flush=True)
+    if bad_steps >= cfg.max_bad_steps:
+        raise RuntimeError(f"step {step + 1}: {bad_steps} consecutive updates had a non-finite loss or gradient (last: {what}, "
+                           f"grad norm {norm.item()}); lower --lr, check the rewards, or resume from the last checkpoint")
+    return bad_steps
+
+
 def peak_memory_gib(device) -> float:
     """Peak GPU memory allocated by torch, or on CPU the process's peak resident set size."""
     if device.type == "cuda":
@@ -318,8 +324,6 @@ def make_engine(cfg: Config, path: str, device):
     if cfg.engine == "sglang":
         from rollout import SGLangEngine
 
-        if cfg.engine_dtype == "fp8":
-            raise ValueError("--engine sglang takes --engine-dtype fp32 or bf16 here (SGLang's fp8 needs GPU kernels)")
         if device.type != "cuda":
             return SGLangEngine(path, dtype=cfg.engine_dtype)
         # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
@@ -501,7 +505,8 @@ def main(cfg: Config) -> list[dict]:
                         loss.backward()
                         add(m, vm)
                     norm, ok = optimizer_step(critic, opts["critic"], cfg, dp_group)
-                    add(m, {"critic/grad_norm": norm})
+                    bad_steps = check_finite(ok, bad_steps, "critic", step, norm, cfg)
+                    add(m, {"critic/grad_norm": norm, "train/skipped_critic_update": float(not ok)})
             if critic is not None:
                 add(m, {"critic/explained_variance": L.explained_variance(old_values, returns, mask)})
 
@@ -529,11 +534,8 @@ def main(cfg: Config) -> list[dict]:
                         pm["ppo/entropy"] = L.masked_mean(L.entropy_from_logits(logits.detach(), cfg.temperature), mask[r])
                         add(m, pm)
                     norm, ok = optimizer_step(policy, opts["policy"], cfg, dp_group)
-                    bad_steps = 0 if ok else bad_steps + 1
+                    bad_steps = check_finite(ok, bad_steps, "policy", step, norm, cfg)
                     add(m, {"ppo/grad_norm": norm, "train/skipped_update": float(not ok)})
-                    if bad_steps >= cfg.max_bad_steps:
-                        raise RuntimeError(f"step {step}: {bad_steps} consecutive policy updates had a non-finite loss or gradient "
-                                           f"(last grad norm {norm.item()}); lower --lr, check the rewards, or restart from the last checkpoint")
 
         # 8 weight sync: wake the engine, push the new full weights bucket by bucket (every TP rank gathers)
         with timed(times, "sync"):

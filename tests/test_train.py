@@ -87,19 +87,32 @@ def test_reward_function_errors_name_function_and_sample():
     torch.testing.assert_close(score(_task(exact_match_reward), ["b ", "c"], ["b", "b"]), torch.tensor([1.0, 0.0]))
 
 
+def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+    """Rewards of +-3e38 without std normalisation make the GRPO loss overflow: each update is skipped, and
+    the run stops with a clear message after max_bad_steps in a row, before any checkpoint is written."""
+    import train_ppo
+
+    huge = lambda task, completions, answers: torch.tensor([3e38 if i % 2 else -3e38 for i in range(len(completions))])  # noqa: E731
+    monkeypatch.setattr(train_ppo, "score", huge)
+    with pytest.raises(RuntimeError, match="2 consecutive updates had a non-finite loss or gradient"):
+        main(small(tmp_path, algo="grpo", grpo_std=False, steps=5, max_bad_steps=2, eval_size=8))
+    assert not (tmp_path / "checkpoints").exists()
+
+
 # ----------------------------------------------------------------------------- learning
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_short_run_improves_reward(tmp_path, algo):
-    """From the warmed-up tiny model, a short run raises greedy held-out accuracy and the rollout reward."""
-    hist = main(small(tmp_path, algo=algo, steps=16, rollout_batch=64, eval_every=16, eval_size=200, critic_warmup=2, lr=5e-4))
+@pytest.mark.parametrize("algo,steps", [("ppo", 24), ("grpo", 40)])
+def test_short_run_improves_reward(tmp_path, algo, steps):
+    """From the warmed-up tiny model (about 47% greedy), a short run with the default recipe raises greedy
+    held-out accuracy by 8 points and the rollout reward."""
+    hist = main(small(tmp_path, algo=algo, steps=steps, rollout_batch=64, eval_every=steps, eval_size=500, save_every=steps, critic_warmup=3))
     first, last = hist[0], hist[-1]
-    assert last["eval/greedy_acc"] > first["eval/greedy_acc"] + 0.05, (first, last)
+    assert last["eval/greedy_acc"] > first["eval/greedy_acc"] + 0.08, (first, last)
     reward = [r["rollout/reward_mean"] for r in hist[1:]]
-    assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4
+    assert sum(reward[-8:]) / 8 > sum(reward[:8]) / 8 + 0.03
     assert os.path.isfile(tmp_path / "plots" / "reward.png")
-    ckpt = tmp_path / "checkpoints" / "step_000016"
+    ckpt = tmp_path / "checkpoints" / f"step_{steps:06d}"
     assert (ckpt / "policy" / "model.safetensors").is_file() and (ckpt / "trainer_rank0.pt").is_file()
     assert (ckpt / "critic" / "config.json").is_file() == (algo == "ppo")
 
