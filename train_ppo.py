@@ -555,7 +555,7 @@ def main(cfg: Config) -> list[dict]:
         n_tok = lengths.sum()
         add(m, {
             "rollout/reward_mean": scores.mean(), "rollout/response_len_mean": lengths.float().mean(),
-            "rollout/response_len_max": lengths.max().float(), "rollout/tokens_per_s": n_tok / times["time/rollout"],
+            "rollout/response_len_max": lengths.max().float(), "rollout/tokens_per_s": n_tok * plan["dp"] / times["time/rollout"],  # dp engines run at once
             "rollout/truncated_frac": sum(f == "length" for f in ro.finish_reasons) / len(ro.finish_reasons),
         })
         times["time/step"] = time.perf_counter() - t_step

@@ -36,7 +36,7 @@ def run(algo: str, nprocs: int, args) -> dict:
         rows = [r for r in map(json.loads, f) if r["step"] > args.skip]
     mean = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
     return {"step": mean("time/step"), **{p: mean(f"time/{p}") for p in PHASES}, "tok/s": mean("rollout/tokens_per_s"),
-            "peak GiB": max(r["mem/peak_gib_max"] for r in rows), "reward": mean("rollout/reward_mean")}
+            "peak GiB": max(r["mem/peak_gib_max"] for r in rows)}
 
 
 def main():

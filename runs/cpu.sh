@@ -9,7 +9,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py
   --model "" \
   --task addition \
   --out-dir outputs/cpu \
-  --steps 200 \
+  --steps 300 \
   --seed 0 \
   --no-deterministic \
   --algo ppo \
