@@ -483,14 +483,14 @@ def main(cfg: Config) -> list[dict]:
         # 5 mismatch correction: IcePop weights M(k) (or TIS / geo mask); DIS acts inside its loss
         with timed(times, "correction"):
             add(m, L.mismatch_metrics(old_logp, infer_logp, mask, cfg.icepop_low, cfg.icepop_high))
-            is_w = None
+            is_w, cm = None, {}
             if cfg.correction == "icepop":
                 is_w, cm = L.icepop_weights(old_logp, infer_logp, mask, cfg.icepop_low, cfg.icepop_high)
             elif cfg.correction == "tis":
                 is_w, cm = L.tis_weights(old_logp, infer_logp, mask, cap=cfg.tis_cap)
             elif cfg.correction == "geo":
                 is_w, cm = L.geo_seq_mask(old_logp, infer_logp, mask, cfg.icepop_low, cfg.icepop_high)
-            add(m, cm if is_w is not None else {})
+            add(m, cm)
             # Dropped tokens stay in the denominator (IcePop paper) unless asked otherwise (verl's form).
             loss_mask = mask & (is_w > 0) if is_w is not None and cfg.drop_masked_from_denominator else mask
 

@@ -115,6 +115,14 @@ def test_short_run_improves_reward(tmp_path, algo, steps):
     ckpt = tmp_path / "checkpoints" / f"step_{steps:06d}"
     assert (ckpt / "policy" / "model.safetensors").is_file() and (ckpt / "trainer_rank0.pt").is_file()
     assert (ckpt / "critic" / "config.json").is_file() == (algo == "ppo")
+    # The checkpoint's folders are plain HF folders: from_pretrained loads them, tokenizer included.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from value_model import load_critic
+
+    assert AutoModelForCausalLM.from_pretrained(ckpt / "policy").config.vocab_size >= len(AutoTokenizer.from_pretrained(ckpt / "policy"))
+    if algo == "ppo":
+        assert load_critic(str(ckpt / "critic")).score.out_features == 1
 
 
 # ----------------------------------------------------------------------------- resume after SIGKILL

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 import losses
 import parallel
+from rollout import EmbeddedEngine
 from data.tiny import tiny_config
 
 B, L, P = 4, 12, 4  # batch, sequence length, prompt length: T = L - P response tokens
@@ -128,9 +129,20 @@ def check_tp(family: str, kind: str, tp_mesh, out: dict) -> None:
     # Adam divides by sqrt(v) + eps ~ |g| + eps on its first step: with the default eps=1e-8, entries
     # with |g| ~ 1e-9 turn fp32 rounding (~1e-10) into ~1% of lr in the update. eps=1e-6 keeps the
     # comparison tight (measured: ~8e-6 with the default eps, for lr 1e-3).
+    engine = EmbeddedEngine(ref) if kind == "policy" else None  # holds the weights before the step
     for model in (ref, tp):
         torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6).step()
     out[f"{key}/weights_after_step"] = max_diff(weights(tp), weights(ref))
+    if engine is not None:
+        # Weight sync from the TP=2 trainer: the gathered full weights make the engine's log-probs the
+        # stepped model's (and no longer the old ones).
+        ids = batch["input_ids"][:, :P]
+        with torch.no_grad():
+            new_logp = torch.log_softmax(ref(input_ids=ids).logits, -1)
+        stale = (torch.log_softmax(engine.logits(ids), -1) - new_logp).abs().max().item()
+        engine.update_weights(pair for bucket in parallel.full_weights(tp, bucket_bytes=1 << 16) for pair in bucket)
+        out[f"{key}/engine_sync"] = (torch.log_softmax(engine.logits(ids), -1) - new_logp).abs().max().item()
+        assert stale > 100 * max(out[f"{key}/engine_sync"], 1e-6), f"{key}: the step did not change the engine's log-probs"
     if getattr(tp, "lm_head", None) is not None and ref.config.tie_word_embeddings:
         assert tp.lm_head.weight is tp.model.embed_tokens.weight, "tie lost after the optimiser step"
 
