@@ -12,7 +12,7 @@ Functions that produce diagnostics return ``(value, metrics)``; metrics are deta
 namespaced keys, local to the tensors passed in (the trainer reduces them across ranks once per step).
 The formulas and the conventions pinned by the project are in shared/ALGORITHMS.md.
 
-    from losses import ppo_policy_loss, icepop_weights   # works in a notebook with only torch
+    >>> from losses import ppo_policy_loss, icepop_weights   # in a notebook, with only torch installed
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import losses as L
 from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize
 from rollout import Sampling
+from data.tasks import encode_prompt, get_task, score
 from value_model import build_critic, critic_values, load_critic
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -203,33 +204,6 @@ def timed(times: dict, name: str):
     times[f"time/{name}"] = time.perf_counter() - start
 
 
-def encode_prompt(tok, text: str) -> list[int]:
-    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return tok(chat, add_special_tokens=False).input_ids
-
-
-def score(task, completions: list[str], answers: list[str]) -> torch.Tensor:
-    """Run the task's reward function, refusing anything but one finite float per completion."""
-    fn = getattr(task.reward_fn, "__name__", repr(task.reward_fn))
-    try:
-        rewards = task.reward_fn(completions, answers)
-    except Exception as e:
-        for i, (c, a) in enumerate(zip(completions, answers)):  # find the sample that breaks it
-            try:
-                task.reward_fn([c], [a])
-            except Exception:
-                raise RuntimeError(f"reward function {fn} raised on sample {i} (completion {c!r}, answer {a!r}): {e!r}") from e
-        raise RuntimeError(f"reward function {fn} raised on the batch: {e!r}") from e
-    if not hasattr(rewards, "__len__") or len(rewards) != len(completions):
-        raise RuntimeError(f"reward function {fn} returned {type(rewards).__name__} of length {getattr(rewards, '__len__', lambda: '?')()} for {len(completions)} completions; it must return one float each")
-    out = torch.tensor([float(r) for r in rewards])
-    bad = (~torch.isfinite(out)).nonzero()
-    if len(bad):
-        i = bad[0].item()
-        raise RuntimeError(f"reward function {fn} returned {rewards[i]} for sample {i} (completion {completions[i]!r}); rewards must be finite")
-    return out
-
-
 def all_reduce(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(x, op=op, group=group)
@@ -363,7 +337,6 @@ def main(cfg: Config) -> list[dict]:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from data.tasks import get_task
     from runlog import RunLog, latest_checkpoint, load_trainer_state, save_checkpoint
 
     rt = init_runtime()

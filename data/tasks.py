@@ -11,6 +11,8 @@ the exact string the completion must equal. All rewards here are single terminal
 """
 
 import json
+import math
+import numbers
 import os
 import random
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from typing import Callable
 
 import datasets
 import pyarrow.parquet
+import torch
 
 
 @dataclass
@@ -153,6 +156,35 @@ def load_task(path: str, *, prompt_field: str = "prompt", answer_field: str = "a
         max_new_tokens = max(len(a.encode("utf-8")) for _, a in pairs) + 8
     name = os.path.splitext(os.path.basename(path))[0]
     return Task(name, _dataset(pairs[n_test:]), _dataset(pairs[:n_test]), exact_match_reward, max_new_tokens)
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    """Token ids of the chat-formatted user turn plus the assistant header (what the policy continues)."""
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok(chat, add_special_tokens=False).input_ids
+
+
+def score(task: Task, completions: list[str], answers: list[str]) -> torch.Tensor:
+    """Run the task's reward function, refusing anything but one finite float per completion."""
+    fn = getattr(task.reward_fn, "__name__", repr(task.reward_fn))
+    try:
+        rewards = task.reward_fn(completions, answers)
+    except Exception as e:
+        for i, (c, a) in enumerate(zip(completions, answers)):  # find the sample that breaks it
+            try:
+                task.reward_fn([c], [a])
+            except Exception:
+                raise RuntimeError(f"reward function {fn} raised on sample {i} (completion {c!r}, answer {a!r}): {e!r}") from e
+        raise RuntimeError(f"reward function {fn} raised on the batch: {e!r}") from e
+    n = len(rewards) if hasattr(rewards, "__len__") else None
+    if n != len(completions):
+        raise RuntimeError(f"reward function {fn} returned {type(rewards).__name__} of length {n} for {len(completions)} "
+                           "completions; it must return one float per completion")
+    for i, r in enumerate(rewards):
+        if not isinstance(r, numbers.Real) or not math.isfinite(r):  # numpy scalars are Real too
+            raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}); "
+                               "rewards must be finite numbers")
+    return torch.tensor([float(r) for r in rewards])
 
 
 TASKS = {"addition": addition_task, "sort": sort_task}

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from data.tasks import Task, addition_task
+from data.tasks import Task, addition_task, encode_prompt
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, IM_START_ID, EOS_ID = 256, 257, 258  # the special tokens come right after the 256 bytes
@@ -98,12 +98,6 @@ def build_tiny_model(out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
-def _prompt_ids(tok, prompt: str) -> list[int]:
-    """Token ids of the chat-formatted user turn plus the assistant header."""
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-    return tok(text, add_special_tokens=False).input_ids
-
-
 @torch.no_grad()
 def greedy_completions(model, tok, prompts: list[str], max_new_tokens: int) -> list[str]:
     """Greedy decoding with full recompute each step (no KV cache: fine for a few tokens).
@@ -112,7 +106,7 @@ def greedy_completions(model, tok, prompts: list[str], max_new_tokens: int) -> l
     tokens only, as HF generate does (RoPE is shift invariant, so for Llama this changes nothing but
     round-off). A row stops at <|im_end|>; special tokens are dropped from the returned text.
     """
-    rows = [_prompt_ids(tok, p) for p in prompts]
+    rows = [encode_prompt(tok, p) for p in prompts]
     width = max(map(len, rows))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
@@ -156,7 +150,7 @@ def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4,
     if len(task.train) <= n_eval:
         raise ValueError(f"warmup: task {task.name!r} has {len(task.train)} train rows, need more than n_eval={n_eval}")
     val, rest = task.train[:n_eval], task.train[n_eval:]  # dicts of lists
-    pool = [(_prompt_ids(tok, p), tok(a + tok.eos_token, add_special_tokens=False).input_ids)
+    pool = [(encode_prompt(tok, p), tok(a + tok.eos_token, add_special_tokens=False).input_ids)
             for p, a in zip(rest["prompt"], rest["answer"])]
 
     def accuracy() -> float:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data.tasks import Task, exact_match_reward
+from data.tasks import Task, exact_match_reward, score
 import datasets
-from train_ppo import Config, main, resolve, score
+from train_ppo import Config, main, resolve
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
