@@ -23,6 +23,7 @@ The order sleep -> train -> wake -> sync is written once, in the loop below.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -192,6 +193,9 @@ def resolve(cfg: Config, world_size: int) -> dict:
             import sglang  # noqa: F401
         except ImportError as e:
             errors.append(f"--engine sglang needs SGLang installed (see README, 'SGLang'): {e}")
+    for flag, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
+            errors.append(f"--{flag} needs the {module} package: pip install {module}")
     if errors:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
     return {"dp": dp, "n": n, "rows": rows, "prompts": rows // n, "critic_lr": cfg.critic_lr or 5 * cfg.lr}

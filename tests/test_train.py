@@ -43,6 +43,7 @@ def small(tmp_path, **kw) -> Config:
     (dict(kl="k3-loss", kl_coef=0.0), 1, "needs --kl-coef > 0"),
     (dict(model="/no/such/model"), 1, "not a Hugging Face model folder"),
     (dict(icepop_low=1.5), 1, "IcePop band"),
+    (dict(engine_dtype="fp8", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
 ])
 def test_bad_configs_are_refused_before_work(kw, world, msg):
     with pytest.raises(ValueError, match=msg):
