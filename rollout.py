@@ -124,7 +124,9 @@ class Engine(Protocol):
         """Sample sampling.n responses per prompt (token ids, no chat template applied here)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Load full tensors under their Hugging Face state_dict names; may be called once per bucket."""
+        """Load full tensors under their Hugging Face state_dict names. The trainer passes one stream over all
+        weights (parallel.full_weights' buckets, flattened): the engine may re-bucket, and flushes any cache
+        computed with the old weights once the stream ends."""
 
     def sleep(self) -> int:
         """Release memory for training; returns the bytes released (the platform's own count)."""
