@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import losses as L
-from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize
+from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
 from rollout import Sampling
 from data.tasks import encode_prompt, get_task, score
 from value_model import build_critic, critic_values, load_critic
@@ -387,14 +387,13 @@ def main(cfg: Config) -> list[dict]:
     engine = make_engine(cfg, policy_path, rt.device) if is_engine_rank else None
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or task.max_new_tokens, (tok.eos_token_id,), plan["n"], cfg.seed)
     log = RunLog(cfg.out_dir, rt.rank, {**asdict(cfg), **plan, "model_path": model_path}, start, cfg.wandb, cfg.tensorboard)
-    if rt.rank == 0:
-        print(f"{'resuming at step ' + str(start) if ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
-              f"world {rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}")
+    print0(f"{'resuming at step ' + str(start) if ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
+           f"world {rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}")
     if start == 0:
         before = evaluate(engine, tok, task, cfg, sampling, dp_rank, plan["dp"])
         log.log({"step": 0, **before})
-        if rt.rank == 0:
-            print(f"before RL: greedy accuracy {before['eval/greedy_acc']:.1%}, sampled {before['eval/sampled_acc']:.1%} on {min(cfg.eval_size, len(task.test))} held-out problems")
+        print0(f"before RL: greedy accuracy {before['eval/greedy_acc']:.1%}, sampled {before['eval/sampled_acc']:.1%} "
+               f"on {min(cfg.eval_size, len(task.test))} held-out problems")
     order = {}  # epoch -> permutation of the train set, the same on every rank
     n_train = len(task.train)
     bar = tqdm(total=cfg.steps, initial=start, disable=rt.rank != 0, dynamic_ncols=True)

@@ -115,6 +115,15 @@ def test_every_option_runs_a_step(tmp_path, kw):
         assert row["ppo/kl_ref"] >= 0
 
 
+def test_loop_whiten_equals_masked_whiten_in_one_process():
+    """The loop's whitening all-reduces its statistics over dp ranks; alone it is losses.masked_whiten."""
+    import losses
+    import train_ppo
+
+    x, mask = torch.randn(5, 7), torch.rand(5, 7) > 0.3
+    torch.testing.assert_close(train_ppo.whiten(x, mask, None), losses.masked_whiten(x, mask), atol=1e-6, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- learning
 
 
