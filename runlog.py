@@ -4,10 +4,10 @@
     out_dir/metrics.jsonl               one JSON line per step (every metric of shared/ALGORITHMS.md)
     out_dir/plots/*.png                 reward & accuracy, mismatch, critic, time per phase
     out_dir/checkpoints/step_000050/    policy/ and critic/ (HF folders), trainer_rank{r}.pt, meta.json
-    out_dir/checkpoints/latest          name of the newest complete checkpoint
 
-A checkpoint is written into a hidden temp folder and renamed into place, and `latest` is replaced
-atomically after it, so a kill at any moment leaves the previous checkpoint intact.
+A checkpoint is written into a hidden temp folder, its meta.json last, and renamed into place: a
+step_* folder with a meta.json is complete, and resume takes the newest one, so a kill at any moment
+leaves the previous checkpoint usable.
 """
 
 from __future__ import annotations
@@ -130,11 +130,10 @@ def _versions() -> dict:
 
 
 def latest_checkpoint(out_dir: str) -> str | None:
-    path = os.path.join(out_dir, "checkpoints", "latest")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return os.path.join(out_dir, "checkpoints", f.read().strip())
+    """The newest complete checkpoint (a step_* folder holding meta.json), or None."""
+    root = os.path.join(out_dir, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and os.path.isfile(os.path.join(root, d, "meta.json"))) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
 
 
 def _save_hf(model, path: str, rank: int, tokenizer=None) -> None:
@@ -169,7 +168,7 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, sd: dict) -> None:
 
 def save_checkpoint(out_dir: str, step: int, rank: int, world_size: int, keep: int, *, policy, critic, tokenizer, optimizers: dict, extra: dict) -> str:
     """Write checkpoints/step_{step}: policy/ and critic/ as HF folders (rank 0), each rank's optimizer and
-    RNG states, then rename into place and point ``latest`` at it. Collective: all ranks call it."""
+    RNG states, meta.json last, then rename into place. Collective: all ranks call it."""
     root = os.path.join(out_dir, "checkpoints")
     name = f"step_{step:06d}"
     tmp, final = os.path.join(root, f".{name}.tmp"), os.path.join(root, name)
@@ -190,9 +189,8 @@ def save_checkpoint(out_dir: str, step: int, rank: int, world_size: int, keep: i
     _barrier()
     if rank == 0:
         _atomic_write(os.path.join(tmp, "meta.json"), json.dumps({"step": step, "world_size": world_size}))
-        shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)  # only when re-saving a step; older checkpoints stay usable meanwhile
         os.replace(tmp, final)
-        _atomic_write(os.path.join(root, "latest"), name)
         done = sorted(d for d in os.listdir(root) if d.startswith("step_"))
         for old in done[:-keep]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
