@@ -117,6 +117,27 @@ class Rollout:
         return TrainBatch(input_ids, attention_mask, position_ids, P)
 
 
+def check_request(prompt_ids, sampling: Sampling, vocab_size: int, context_len: int) -> None:
+    """What every engine refuses before any work: no prompts, an empty prompt, a prompt that leaves no room
+    for max_new_tokens in the context, token ids (prompt or stop) outside the vocabulary."""
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"generate: sampling must be a Sampling, got {type(sampling).__name__}")
+    if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
+        raise ValueError("generate: prompt_ids must be a non-empty list of token-id lists")
+    longest, V = context_len - sampling.max_new_tokens, vocab_size
+    for i, p in enumerate(prompt_ids):
+        if not isinstance(p, (list, tuple)) or len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty (or not a list of token ids): {p!r}")
+        if len(p) > longest:
+            raise ValueError(f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
+                             f"the context ({context_len}) allows at most {longest}")
+        if not all(isinstance(t, int) and 0 <= t < V for t in p):
+            raise ValueError(f"generate: prompt {i} has token ids outside [0, {V}) or non-int ids: {list(p)[:8]}...")
+    bad = [t for t in sampling.stop_token_ids if t >= V]
+    if bad:
+        raise ValueError(f"generate: stop_token_ids {bad} are outside the vocabulary [0, {V})")
+
+
 class Engine(Protocol):
     """What the trainer needs from a rollout engine (the embedded one here, SGLang on GPUs)."""
 
@@ -439,23 +460,7 @@ class EmbeddedEngine:
             raise RuntimeError(f"EmbeddedEngine.{caller}: the engine is asleep; call wake() first")
 
     def _check_prompts(self, prompt_ids, sampling: Sampling) -> None:
-        if not isinstance(sampling, Sampling):
-            raise TypeError(f"generate: sampling must be a Sampling, got {type(sampling).__name__}")
-        if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
-            raise ValueError("generate: prompt_ids must be a non-empty list of token-id lists")
-        longest = self.max_positions - sampling.max_new_tokens
-        V = self.vocab_size
-        for i, p in enumerate(prompt_ids):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty")
-            if len(p) > longest:
-                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
-                                 f"the context ({self.max_positions}) allows at most {longest}")
-            if not all(isinstance(t, int) for t in p) or min(p) < 0 or max(p) >= V:
-                raise ValueError(f"generate: prompt {i} has token ids outside [0, {V}) or non-int ids: {list(p)[:8]}...")
-        bad = [t for t in sampling.stop_token_ids if t >= V]
-        if bad:
-            raise ValueError(f"generate: stop_token_ids {bad} are outside the vocabulary [0, {V})")
+        check_request(prompt_ids, sampling, self.vocab_size, self.max_positions)
         need = (max(len(p) for p in prompt_ids) + sampling.max_new_tokens) * sampling.n
         if need > self.max_batch_tokens:
             raise ValueError(f"generate: the n={sampling.n} rows of one prompt need {need} KV slots > max_batch_tokens="

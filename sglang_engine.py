@@ -53,7 +53,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from rollout import Rollout, Sampling
+from rollout import Rollout, Sampling, check_request
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -179,8 +179,7 @@ class SGLangEngine:
         return sampling.top_k if sampling.top_k < self.vocab_size else 0
 
     def _check_request(self, prompt_ids, sampling: Sampling) -> None:
-        if not isinstance(sampling, Sampling):
-            raise TypeError(f"generate: sampling must be a rollout.Sampling, got {type(sampling).__name__}")
+        check_request(prompt_ids, sampling, self.vocab_size, self.context_len)
         if self._top_k(sampling) > 0 and sampling.top_p < 1.0:
             raise NotImplementedError(
                 "SGLangEngine: top_k and top_p together are refused: SGLang cuts the nucleus on the cumulative "
@@ -189,20 +188,6 @@ class SGLangEngine:
         if sampling.temperature < SGLANG_GREEDY_TEMPERATURE:
             raise ValueError(f"SGLangEngine: temperature {sampling.temperature} < {SGLANG_GREEDY_TEMPERATURE} is greedy "
                              "in SGLang, whose log-prob is then at temperature 1; use top_k=1 for greedy decoding")
-        if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
-            raise ValueError("generate: prompt_ids must be a non-empty list of token-id lists")
-        longest, V = self.context_len - sampling.max_new_tokens, self.vocab_size
-        for i, p in enumerate(prompt_ids):
-            if not isinstance(p, (list, tuple)) or len(p) == 0:
-                raise ValueError(f"generate: prompt {i} must be a non-empty list of token ids, got {p!r}")
-            if not all(isinstance(t, int) and 0 <= t < V for t in p):
-                raise ValueError(f"generate: prompt {i} has token ids outside [0, {V}) or non-int ids: {list(p)[:8]}...")
-            if len(p) > longest:
-                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
-                                 f"the context ({self.context_len}) allows at most {longest}")
-        bad = [t for t in sampling.stop_token_ids if t >= V]
-        if bad:
-            raise ValueError(f"generate: stop_token_ids {bad} are outside the vocabulary [0, {V})")
 
     # ---- weights ---------------------------------------------------------------------------------
 

@@ -32,10 +32,14 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 import losses as L
-from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
-from rollout import Sampling
 from data.tasks import encode_prompt, get_task, score
+from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
+from rollout import EmbeddedEngine, Sampling
+from runlog import RunLog, latest_checkpoint, load_trainer_state, save_checkpoint
 from value_model import build_critic, critic_values, load_critic
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -307,8 +311,6 @@ def make_engine(cfg: Config, path: str, device):
         # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
         # memory is released in sleep() during training, but its reservation is sized at start).
         return SGLangEngine(path, dtype=cfg.engine_dtype, base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
-    from rollout import EmbeddedEngine
-
     return EmbeddedEngine(path, dtype=cfg.engine_dtype, device=device)
 
 
@@ -338,11 +340,6 @@ def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, d
 
 def main(cfg: Config) -> list[dict]:
     """Run (or resume) training; returns the metrics history (rank 0; other ranks get an empty list)."""
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from runlog import RunLog, latest_checkpoint, load_trainer_state, save_checkpoint
-
     rt = init_runtime()
     plan = resolve(cfg, rt.world_size)
     task = get_task(cfg.task)  # a bad task or data file fails here, before any model is built
