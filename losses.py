@@ -51,7 +51,8 @@ def _mean0(x: Tensor, mask: Tensor) -> Tensor:
 def process_logits(logits: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """The sampling distribution's logits: float32, temperature-scaled, then top-k, then top-p.
 
-    Excluded entries are -inf. top_k = 0 and top_p = 1.0 mean off. Top-p keeps the smallest set of
+    Excluded entries are -inf. top_k = 0 and top_p = 1.0 mean off; top_k = 1 is greedy (argmax, ties to
+    the lowest token id). Top-p keeps the smallest set of
     tokens whose cumulative probability (after temperature and top-k) reaches top_p, always including
     the most likely token. The rollout engine samples from softmax of exactly this, and the trainer
     recomputes log-probs through it, so engine and trainer share one definition.
@@ -64,7 +65,13 @@ def process_logits(logits: Tensor, temperature: float = 1.0, *, top_k: int = 0, 
     x = logits.float()
     if temperature != 1.0:
         x = x / temperature
-    if top_k > 0 and top_k < x.size(-1):
+    if top_k == 1:
+        # Greedy: exactly one token, the argmax with ties broken towards the lowest token id (torch.argmax
+        # returns the first maximum). The kth-value rule below would keep every token tied with the max,
+        # and bf16 or int4 logits tie often, so greedy evaluation would depend on the sampling seed.
+        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, x.argmax(-1, keepdim=True), True)
+        x = x.masked_fill(~keep, float("-inf"))
+    elif top_k > 0 and top_k < x.size(-1):
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
@@ -462,3 +469,27 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
 
         var_r = var(r)
         return torch.where(var_r > 0, 1 - var(r - v) / var_r, torch.full_like(var_r, float("nan")))
+
+
+def position_buckets(T: int) -> list[tuple[str, int, int]]:
+    """Response positions grouped for per-position diagnostics: 0, 1, 2, 3 alone, then [4, 8), [8, 16), ...
+    (powers of two), cut at T; a label names its whole bucket, so keys stay the same whatever T. Returns
+    (label, start, end) triples, e.g. T=6: 0, 1, 2, 3, and "4-7" = [4, 6)."""
+    out, lo = [], 0
+    while lo < T:
+        hi = lo + 1 if lo < 4 else 2 * lo
+        out.append((str(lo) if hi == lo + 1 else f"{lo}-{hi - 1}", lo, min(hi, T)))
+        lo = hi
+    return out
+
+
+def explained_variance_by_position(values: Tensor, returns: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """explained_variance restricted to each bucket of position_buckets(T): {"critic/ev_pos_<label>": 0-d}.
+
+    Early positions are the hard ones (the value must predict the whole outcome); the last position before
+    a terminal reward only has to read off what was already written.
+    """
+    _check(mask, values=values, returns=returns)
+    cols = torch.arange(mask.size(1), device=mask.device)
+    return {f"critic/ev_pos_{label}": explained_variance(values, returns, mask & (cols >= lo) & (cols < hi))
+            for label, lo, hi in position_buckets(mask.size(1))}

@@ -21,6 +21,11 @@ gives old_logp [B, T] aligned with ro.infer_logp (logits[:, j] predicts input_id
 KV cache) over copies of the weights of a Hugging Face Llama / Qwen2 / Qwen3 causal LM: no mask
 builders or cache objects per step, q/k/v and gate/up as one matmul each, one prefill per prompt
 shared by its n samples. bench/bench_rollout.py measures it against HF `generate`.
+
+Its precision knobs reproduce the rollout-side mismatch of real quantised engines against an fp32 trainer:
+`dtype` "bf16", "fp8" (per-channel fp8 weights) or "int4" (symmetric int4 weights in groups of 32,
+fake_quant_int4), all with bf16 compute, and `kv_cache_dtype="fp8"` (a float8_e4m3fn KV cache, scale 1.0).
+bench/bench_mismatch.py measures what each costs in KL and in IcePop-masked tokens.
 """
 
 from __future__ import annotations
@@ -169,9 +174,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'rollout' has no attribute {name!r}")
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: fp8 weights, bf16 compute
+# Compute dtype per engine dtype; fp8 and int4 are bf16 compute over fake-quantised decoder Linear weights.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "int4": torch.bfloat16}
+# KV-cache storage: "auto" = the compute dtype, "fp8" = float8_e4m3fn with a fixed scale of 1.0.
+KV_CACHE_DTYPES = ("auto", "fp8")
 # Largest finite float8_e4m3fn value: the per-channel scale maps each row's absmax onto it.
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+INT4_GROUP_SIZE = 32  # dtype "int4": consecutive input elements per scale
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 # HF name inside a decoder layer -> (slot in the engine's per-layer store, part index). Parts of one slot
@@ -206,6 +215,27 @@ def fake_quant_fp8(w: Tensor) -> Tensor:
     return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
 
 
+def fake_quant_int4(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> Tensor:
+    """Round a Linear weight [out, in] through symmetric weight-only int4, one scale per group, and back.
+
+    The FlashRL / GPTQ-style symmetric rule, in float32: each row is cut into groups of `group_size`
+    consecutive input elements (dim 1), and per group
+
+        s = absmax(group) / 7,   q = clamp(round(w / s), -8, 7),   w_hat = q * s
+
+    so every w_hat is an integer multiple of its group's scale (at most 16 levels per group; -8 is never
+    reached since |w / s| <= 7), the group's absmax element is kept exactly (up to float rounding), and
+    |w - w_hat| <= s / 2 for every element. Returns w_hat in w's dtype. `in` must be a multiple of group_size.
+    """
+    rows, cols = w.shape
+    if cols % group_size:
+        raise ValueError(f"fake_quant_int4: the input dimension {cols} of a [{rows}, {cols}] weight is not a "
+                         f"multiple of group_size={group_size}")
+    g = w.float().reshape(rows, cols // group_size, group_size)
+    s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7  # the clamp only guards all-zero groups
+    return ((g / s).round().clamp(-8, 7) * s).reshape(rows, cols).to(w.dtype)
+
+
 def _check_arch(config) -> None:
     """Refuse what the compact forward pass does not implement, before any work."""
     mt = getattr(config, "model_type", None)
@@ -235,15 +265,26 @@ class EmbeddedEngine:
         folder written by save_pretrained.
     dtype: "fp32"; "bf16" (weights and compute in bf16, log-probs in fp32 from bf16 logits); "fp8" (bf16
         compute with the decoder's Linear weights fake-quantised to float8_e4m3fn, one scale per output
-        channel, as FP8 rollouts do; embeddings, lm_head and norms stay bf16, as vLLM/SGLang keep them).
+        channel, as FP8 rollouts do; embeddings, lm_head and norms stay bf16, as vLLM/SGLang keep them);
+        "int4" (the same, with weight-only symmetric int4 in groups of 32 input elements: fake_quant_int4,
+        the FlashRL / GPTQ rule; every decoder Linear's input size must be a multiple of 32).
+    kv_cache_dtype: "auto" (the compute dtype) or "fp8": keys and values are stored as float8_e4m3fn with
+        a fixed scale of 1.0, what SGLang / vLLM do when the checkpoint has no calibrated k/v scales (the
+        buffer really is fp8: half the bytes of bf16). Attention always reads keys and values at the
+        cache's precision, the prefill's attention over the prompt and `logits()` included, so every
+        position sees the same k/v whichever pass computed it and `logits()` equals generate's log-probs.
+        (SGLang's GPU backends attend over the fresh, unrounded k/v of the tokens a prefill computes, and
+        read fp8 only for cached prefixes and decode steps: they differ on the first response token.)
     max_batch_tokens: KV-cache capacity in tokens; a batch of B rows of prompt + response length S runs
         in chunks of max_batch_tokens // S rows (the draws do not depend on the chunking).
     """
 
-    def __init__(self, model_or_path, *, dtype: str = "fp32", device: str | torch.device = "cpu",
-                 max_batch_tokens: int = 65536):
+    def __init__(self, model_or_path, *, dtype: str = "fp32", kv_cache_dtype: str = "auto",
+                 device: str | torch.device = "cpu", max_batch_tokens: int = 65536):
         if dtype not in DTYPES:
             raise ValueError(f"EmbeddedEngine: dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EmbeddedEngine: kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if max_batch_tokens < 1:
             raise ValueError(f"EmbeddedEngine: max_batch_tokens must be >= 1, got {max_batch_tokens}")
         if isinstance(model_or_path, (str, os.PathLike)):
@@ -253,6 +294,7 @@ class EmbeddedEngine:
         c = model_or_path.config
         _check_arch(c)
         self.config, self.dtype_name, self.dtype = c, dtype, DTYPES[dtype]
+        self.kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else self.dtype
         self.device, self.max_batch_tokens = torch.device(device), max_batch_tokens
         self.n_layers, self.n_heads, self.n_kv = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -299,8 +341,15 @@ class EmbeddedEngine:
 
     def _transform(self, name: str, t: Tensor) -> Tensor:
         t = t.detach().to(self.device, torch.float32)
-        if self.dtype_name == "fp8" and name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            t = fake_quant_fp8(t)
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):  # the decoder's Linear weights
+            if self.dtype_name == "fp8":
+                t = fake_quant_fp8(t)
+            elif self.dtype_name == "int4":
+                if t.size(1) % INT4_GROUP_SIZE:
+                    raise NotImplementedError(f"EmbeddedEngine: dtype 'int4' quantises groups of {INT4_GROUP_SIZE} input "
+                                              f"elements; {name!r} has shape {tuple(t.shape)}, whose input size "
+                                              f"{t.size(1)} is not a multiple of {INT4_GROUP_SIZE}")
+                t = fake_quant_int4(t)
         return t.to(self.dtype)
 
     def _bind(self) -> None:
@@ -390,12 +439,12 @@ class EmbeddedEngine:
             raise RuntimeError(f"EmbeddedEngine.{caller}: the engine was shut down")
 
     def _kv_cache(self, B: int, S: int) -> list[tuple[Tensor, Tensor]]:
-        """Views [B, n_kv, S, D] (keys, values) per layer into the preallocated flat buffer."""
+        """Views [B, n_kv, S, D] (keys, values) per layer into the preallocated flat buffer (in kv_dtype)."""
         shape = (self.n_layers, 2, B, self.n_kv, S, self.head_dim)
         need = math.prod(shape)
         if self._kv is None or self._kv.numel() < need:
             self._kv = None  # free the old buffer before allocating the larger one
-            self._kv = torch.empty(need, dtype=self.dtype, device=self.device)
+            self._kv = torch.empty(need, dtype=self.kv_dtype, device=self.device)
         kv = self._kv[:need].view(shape)
         return [(kv[i, 0], kv[i, 1]) for i in range(self.n_layers)]
 
@@ -424,6 +473,11 @@ class EmbeddedEngine:
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
             q, k = qk.transpose(1, 2).split((H, K), dim=1)  # [B, H | K, S, D]
             v = v.transpose(1, 2)
+            if self.kv_dtype != self.dtype:
+                # fp8 KV cache, scale 1.0 (dividing / multiplying by it is exact, so it is left out): round
+                # k and v through float8_e4m3fn here, so the prefill's attention (and logits(), which has no
+                # cache) sees what decode steps read back from the cache; the cache writes below are exact.
+                k, v = k.to(self.kv_dtype).to(self.dtype), v.to(self.kv_dtype).to(self.dtype)
             if kv is not None:
                 k_cache, v_cache = kv[i]
                 k_cache[:, :, start : start + S] = k
@@ -435,8 +489,9 @@ class EmbeddedEngine:
             else:
                 # Decode: the H // K query heads sharing a KV head are that head's query rows, so one
                 # batched matmul per side and no KV repeat; [B, K, slots, D] -> [B * K, slots, D] is a view.
-                keys = k_cache[:, :, : start + 1].reshape(B * K, start + 1, D)
-                values = v_cache[:, :, : start + 1].reshape(B * K, start + 1, D)
+                # An fp8 cache is read back in the compute dtype (.to is a no-op for the "auto" cache).
+                keys = k_cache[:, :, : start + 1].reshape(B * K, start + 1, D).to(self.dtype)
+                values = v_cache[:, :, : start + 1].reshape(B * K, start + 1, D).to(self.dtype)
                 scores = torch.baddbmm(attn_mask, q.reshape(B * K, H // K, D), keys.transpose(1, 2), alpha=self.scale)
                 a = torch.bmm(scores.softmax(-1), values).view(B, 1, H * D)
             x = x + F.linear(a, o_w, o_b)
@@ -446,7 +501,8 @@ class EmbeddedEngine:
 
     @torch.inference_mode()
     def logits(self, input_ids: Tensor) -> Tensor:
-        """Full-sequence logits [B, L, V] float32 of unpadded sequences [B, L] (no cache), for checks."""
+        """Full-sequence logits [B, L, V] float32 of unpadded sequences [B, L] (no cache), for checks. With
+        the fp8 KV cache, k and v are rounded as generate's cache holds them, so the two agree."""
         self._check_ready("logits")
         ids = input_ids.to(self.device)
         pos = torch.arange(ids.size(1), device=self.device).expand_as(ids)

@@ -1,8 +1,10 @@
 """The run folder: metrics.jsonl (+ optional wandb / TensorBoard), PNG plots, atomic checkpoints.
 
     out_dir/config.json                 resolved config, derived sizes, git revision, package versions
-    out_dir/metrics.jsonl               one JSON line per step (every metric of shared/ALGORITHMS.md)
-    out_dir/plots/*.png                 reward & accuracy, mismatch, critic, time per phase
+    out_dir/metrics.jsonl               one JSON line per step (every metric of shared/ALGORITHMS.md); critic
+                                        pretraining rows have step 0 and a pretrain/step key
+    out_dir/plots/*.png                 reward & accuracy, mismatch (KL apart from masked fractions), critic,
+                                        critic pretraining, time per phase
     out_dir/checkpoints/step_000050/    policy/ and critic/ (HF folders), trainer_rank{r}.pt, meta.json
 
 A checkpoint is written into a hidden temp folder, its meta.json last, and renamed into place: a
@@ -76,7 +78,7 @@ class RunLog:
             write(row)
 
     def plot(self) -> None:
-        """One PNG per panel group, redrawn from the whole history."""
+        """One PNG per panel, redrawn from the whole history; one family of quantities (one unit) per axis."""
         if self.rank != 0 or not self.history:
             return
         import matplotlib
@@ -84,23 +86,33 @@ class RunLog:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        panels = {
-            "reward": ["rollout/reward_mean", "eval/greedy_acc", "eval/sampled_acc"],
-            "mismatch": ["mismatch/k1", "mismatch/k3", "mismatch/masked_frac", "mismatch/masked_frac_low", "mismatch/masked_frac_high"],
-            "critic": ["critic/explained_variance", "critic/value_loss", "critic/value_mean"],
-            "time": sorted({k for row in self.history for k in row if k.startswith("time/")}),
+        rl = [row for row in self.history if "pretrain/step" not in row]
+        pre = [row for row in self.history if "pretrain/step" in row]
+        ev_pos = sorted({k for row in rl for k in row if k.startswith("critic/ev_pos_")}, key=lambda k: int(k.split("_")[-1].split("-")[0]))
+        panels = {  # file -> (rows, x key, [(y label, keys), ...]): one subplot per family
+            "reward": (rl, "step", [("reward / accuracy", ["rollout/reward_mean", "eval/greedy_acc", "eval/sampled_acc"])]),
+            "mismatch": (rl, "step", [("KL estimate (nats/token)", ["mismatch/k1", "mismatch/k3"]),
+                                      ("fraction of tokens", ["mismatch/masked_frac", "mismatch/masked_frac_low", "mismatch/masked_frac_high"])]),
+            "critic": (rl, "step", [("explained variance", ["critic/explained_variance", *ev_pos]),
+                                    ("value loss", ["critic/value_loss"]), ("mean value", ["critic/value_mean"])]),
+            "critic_pretrain": (pre, "pretrain/step", [("explained variance", ["critic/explained_variance"]), ("value loss", ["critic/value_loss"])]),
+            "time": (rl, "step", [("seconds", sorted({k for row in rl for k in row if k.startswith("time/")}))]),
         }
-        for name, keys in panels.items():
-            fig, ax = plt.subplots(figsize=(7, 4))
-            for key in keys:
-                pts = [(row["step"], row[key]) for row in self.history if key in row]
-                if pts:
-                    ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=key)
-            ax.set_xlabel("step")
-            ax.set_title(name)
-            ax.grid(alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=7)
+        for name, (rows, x, axes) in panels.items():
+            if not rows:
+                continue
+            fig, subs = plt.subplots(len(axes), 1, figsize=(7, 2.2 + 2 * len(axes)), sharex=True, squeeze=False)
+            for ax, (ylabel, keys) in zip(subs[:, 0], axes):
+                for key in keys:
+                    pts = [(row[x], row[key]) for row in rows if key in row]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=key)
+                ax.set_ylabel(ylabel)
+                ax.grid(alpha=0.3)
+                if ax.lines:
+                    ax.legend(fontsize=7)
+            subs[-1, 0].set_xlabel(x)
+            subs[0, 0].set_title(name)
             fig.tight_layout()
             fig.savefig(os.path.join(self.dir, "plots", f"{name}.png"), dpi=90)
             plt.close(fig)

@@ -40,6 +40,19 @@ Not available in this mode: Sampling.seed reaches SGLang as a per-row `sampling_
 honours only with enable_deterministic_inference=True, and that needs a GPU attention backend
 (fa3, flashinfer, triton, ...). On CPU the sampling stream is seeded once, by `random_seed` at start.
 release/resume_memory_occupation succeed on CPU but free nothing (sleep then returns about 0 bytes).
+
+Precision knobs (rollout.EmbeddedEngine's names), mapped to SGLang 0.5.23's own options or refused:
+- kv_cache_dtype="fp8" -> kv_cache_dtype="fp8_e4m3": float8_e4m3fn KV cache, scale 1.0 without
+  quantization_param_path (the embedded engine's rule). On GPU, SGLang's prefill (e.g. the triton
+  backend's extend kernel) attends over the fresh k/v of the tokens it computes and reads fp8 only for
+  cached prefixes and decode steps (the embedded engine rounds the prefill's k/v too), so the first
+  response token's log-prob differs slightly. On CPU
+  SGLang's fp8 KV cache needs Intel AMX and attention_backend="intel_amx"
+  (sglang/srt/mem_cache/kv_cache_configurator.py); the torch_native backend used here has none: refused.
+- dtype="int4" is refused: SGLang 0.5.23 has no torchao_config option, so no torchao "int4wo-32" (which
+  would be torchao's asymmetric int4 weight-only anyway, not bit-identical to the embedded engine's
+  symmetric rule), and its int4 methods (--quantization gptq, awq, ...) load pre-quantised checkpoints,
+  which update_weights cannot refresh from the trainer's weights.
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ from rollout import Rollout, Sampling, check_request
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+SGLANG_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3"}  # rollout.EmbeddedEngine's kv_cache_dtype -> SGLang's
 # SGLang turns temperature below this into greedy sampling (sglang/srt/sampling/sampling_params.py:245),
 # whose returned log-prob is at temperature 1: refuse rather than return the wrong log-prob.
 SGLANG_GREEDY_TEMPERATURE = 1e-6
@@ -71,7 +85,9 @@ class SGLangEngine:
     """Rollout engine on sglang.Engine; same interface and Rollout alignment as rollout.EmbeddedEngine.
 
     model_path: a Hugging Face folder (config.json + safetensors); no tokenizer is needed, prompts are ids.
-    dtype: "fp32" or "bf16" (SGLang's model dtype; log-probs come back as float32 either way).
+    dtype: "fp32" or "bf16" (SGLang's model dtype; log-probs come back as float32 either way); "int4" is
+        refused (see the module docstring).
+    kv_cache_dtype: "auto" (the model dtype) or "fp8" (SGLang's "fp8_e4m3"; CUDA only, see the module docstring).
     max_total_tokens: KV-cache capacity in tokens; None = CPU_MAX_TOTAL_TOKENS on CPU, SGLang's choice on GPU.
     bucket_bytes: update_weights sends tensors in buckets of about this many bytes.
     cpu_threads: OMP threads of SGLang's processes (set in their environment only).
@@ -79,9 +95,13 @@ class SGLangEngine:
     server_args: passed on to sglang.Engine (e.g. tp_size, mem_fraction_static, enable_deterministic_inference).
     """
 
-    def __init__(self, model_path: str, *, dtype: str = "fp32", max_total_tokens: int | None = None,
-                 bucket_bytes: int = 1 << 29, cpu_threads: int = 1, random_seed: int = 0,
-                 log_level: str = "warning", **server_args):
+    def __init__(self, model_path: str, *, dtype: str = "fp32", kv_cache_dtype: str = "auto",
+                 max_total_tokens: int | None = None, bucket_bytes: int = 1 << 29, cpu_threads: int = 1,
+                 random_seed: int = 0, log_level: str = "warning", **server_args):
+        if dtype == "int4":
+            raise ValueError("SGLangEngine: dtype 'int4' has no SGLang 0.5.23 counterpart: there is no torchao_config "
+                             "option (torchao 'int4wo-32'), and --quantization gptq / awq load pre-quantised checkpoints "
+                             "that update_weights cannot refresh; use EmbeddedEngine(dtype='int4')")
         if dtype not in DTYPES:
             raise ValueError(f"SGLangEngine: dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if not os.path.isfile(os.path.join(model_path, "config.json")):
@@ -107,6 +127,7 @@ class SGLangEngine:
         else:
             args.update(enable_memory_saver=True, max_total_tokens=max_total_tokens)  # sleep frees weights + KV cache
         args.update(server_args)
+        args["kv_cache_dtype"] = sglang_kv_cache_dtype(kv_cache_dtype, self.device, args.get("attention_backend"))
         if self.device == "cpu":
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read once (lru_cache): before the first sglang import
         import sglang
@@ -304,6 +325,17 @@ class SGLangEngine:
         self._check_open(caller)
         if self._asleep:
             raise RuntimeError(f"SGLangEngine.{caller}: the engine is asleep; call wake() first")
+
+
+def sglang_kv_cache_dtype(kv_cache_dtype: str, device: str, attention_backend: str | None) -> str:
+    """SGLang's kv_cache_dtype server arg for rollout.EmbeddedEngine's kv_cache_dtype, or a ValueError where
+    SGLang 0.5.23 cannot do it on this device and attention backend."""
+    if kv_cache_dtype not in SGLANG_KV_CACHE_DTYPES:
+        raise ValueError(f"SGLangEngine: kv_cache_dtype must be one of {list(SGLANG_KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "fp8" and device == "cpu" and attention_backend != "intel_amx":
+        raise ValueError(f"SGLangEngine: kv_cache_dtype 'fp8' (SGLang's 'fp8_e4m3') on CPU needs Intel AMX and "
+                         f"attention_backend='intel_amx' in SGLang 0.5.23; this engine runs {attention_backend!r}")
+    return SGLANG_KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def _ok(result, what: str) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -55,7 +56,8 @@ class Config:
     model: str = ""
     """Hugging Face model folder; empty = the embedded tiny model, built and warmed up on first use."""
     task: str = "addition"
-    """'addition', 'sort', or a .jsonl/.parquet file with 'prompt' and 'answer' fields."""
+    """'addition', 'sort', or a .jsonl/.parquet file with 'prompt' and 'answer' fields (the default model is
+    warmed up on sort for 'sort', on addition otherwise)."""
     out_dir: str = "outputs/run"
     """Run folder: config.json, metrics.jsonl, plots/, checkpoints/. An existing run there is resumed."""
     steps: int = 100
@@ -118,8 +120,9 @@ class Config:
     """Critic learning rate; 0 = 5x lr."""
     critic_updates: int = 2
     """Critic optimiser passes per policy update (SAO: 2)."""
-    critic_warmup: int = 3
-    """Initial steps that train only the critic."""
+    critic_pretrain: int = 100
+    """PPO: at most this many critic-only steps on the frozen start policy before step 1 (not counted in --steps;
+    they stop earlier when explained variance plateaus); 0 = off."""
     freeze_critic_attention: bool = False
     """SAO's frozen-attention critic."""
     value_clip: float = 0.2
@@ -141,8 +144,11 @@ class Config:
     """0 = the task's budget."""
     engine: Literal["embedded", "sglang"] = "embedded"
     """Rollout engine."""
-    engine_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
-    """Engine precision; the trainer is fp32, so bf16/fp8 create the mismatch IcePop corrects."""
+    engine_dtype: Literal["fp32", "bf16", "fp8", "int4"] = "bf16"
+    """Engine weights: fp32, bf16, fp8 (per-channel) or int4 (weight-only, groups of 32) fake-quantised decoder
+    Linears over bf16 compute; the trainer is fp32, so all but fp32 create the mismatch IcePop corrects."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """Engine KV cache: auto = the engine's compute dtype; fp8 = float8_e4m3 keys and values (scale 1)."""
     tp: int = 1
     """Tensor-parallel ranks per replica (data parallel = world size / tp)."""
     # outputs
@@ -150,6 +156,9 @@ class Config:
     """Held-out evaluation (greedy and sampled accuracy) every N steps, and before and after the run."""
     eval_size: int = 500
     """Held-out problems per evaluation."""
+    eval_dtype: Literal["engine", "fp32"] = "engine"
+    """Evaluate with the rollout engine, or with an fp32 embedded copy of the policy (the trainer's numbers, so
+    quantised-rollout runs are judged on the policy they trained; a second copy of the weights)."""
     save_every: int = 50
     """Checkpoint every N steps (and at the end)."""
     keep_checkpoints: int = 2
@@ -183,6 +192,8 @@ def resolve(cfg: Config, world_size: int) -> dict:
         errors.append(f"--dual-clip must be > 1 (or 0 = off), got {cfg.dual_clip}")
     if not 0 < cfg.icepop_low < 1 < cfg.icepop_high:
         errors.append(f"the IcePop band must satisfy 0 < low < 1 < high, got [{cfg.icepop_low}, {cfg.icepop_high}]")
+    if cfg.critic_pretrain < 0:
+        errors.append(f"--critic-pretrain must be >= 0 (0 = off), got {cfg.critic_pretrain}")
     for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps"):
         if getattr(cfg, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1")
@@ -191,8 +202,12 @@ def resolve(cfg: Config, world_size: int) -> dict:
     if cfg.model and not os.path.isfile(os.path.join(cfg.model, "config.json")):
         errors.append(f"--model {cfg.model!r} is not a Hugging Face model folder (no config.json); hub names must be downloaded first")
     if cfg.engine == "sglang":
-        if cfg.engine_dtype == "fp8":
-            errors.append("--engine sglang takes --engine-dtype fp32 or bf16 (fp8 weights are the embedded engine's)")
+        if cfg.engine_dtype in ("fp8", "int4"):
+            errors.append(f"--engine sglang takes --engine-dtype fp32 or bf16 ({cfg.engine_dtype} fake-quantised weights are the "
+                          "embedded engine's; SGLang 0.5.23 has no on-the-fly weight quantisation that update_weights can refresh)")
+        if cfg.kv_cache_dtype == "fp8" and not torch.cuda.is_available():
+            errors.append("--kv-cache-dtype fp8 with --engine sglang needs CUDA (SGLang's CPU mode has no fp8 KV cache "
+                          "with its torch_native attention)")
         try:
             import sglang  # noqa: F401
         except ImportError as e:
@@ -282,15 +297,31 @@ def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, boo
     return norm.detach(), ok
 
 
-def check_finite(ok: bool, bad_steps: int, what: str, step: int, norm: torch.Tensor, cfg: Config) -> int:
+def check_finite(ok: bool, bad_steps: int, what: str, where: str, norm: torch.Tensor, cfg: Config) -> int:
     """Count consecutive skipped (non-finite) updates; stop the run with a clear message after max_bad_steps."""
     bad_steps = 0 if ok else bad_steps + 1
     if not ok:
-        print(f"step {step + 1}: skipped a {what} update with a non-finite loss or gradient (norm {norm.item()})", flush=True)
+        print(f"{where}: skipped a {what} update with a non-finite loss or gradient (norm {norm.item()})", flush=True)
     if bad_steps >= cfg.max_bad_steps:
-        raise RuntimeError(f"step {step + 1}: {bad_steps} consecutive updates had a non-finite loss or gradient (last: {what}, "
+        raise RuntimeError(f"{where}: {bad_steps} consecutive updates had a non-finite loss or gradient (last: {what}, "
                            f"grad norm {norm.item()}); lower --lr, check the rewards, or resume from the last checkpoint")
     return bad_steps
+
+
+# Critic pretraining stops once the mean explained variance of the last PLATEAU_WINDOW steps is less than
+# PLATEAU_MIN_GAIN above that of the window before (windows smooth the per-batch noise of 64-row EVs).
+PLATEAU_WINDOW, PLATEAU_MIN_GAIN = 10, 0.01
+
+
+def _finite_mean(xs: list[float]) -> float:
+    xs = [x for x in xs if math.isfinite(x)]  # EV is NaN on a batch whose returns are all equal
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def ev_plateaued(evs: list[float]) -> bool:
+    """The plateau rule of critic pretraining, on the per-step explained variances so far."""
+    W = PLATEAU_WINDOW
+    return len(evs) >= 2 * W and not _finite_mean(evs[-W:]) >= _finite_mean(evs[-2 * W : -W]) + PLATEAU_MIN_GAIN
 
 
 def peak_memory_gib(device) -> float:
@@ -307,11 +338,23 @@ def make_engine(cfg: Config, path: str, device):
         from rollout import SGLangEngine
 
         if device.type != "cuda":
-            return SGLangEngine(path, dtype=cfg.engine_dtype)
+            return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype)
         # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
         # memory is released in sleep() during training, but its reservation is sized at start).
-        return SGLangEngine(path, dtype=cfg.engine_dtype, base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
-    return EmbeddedEngine(path, dtype=cfg.engine_dtype, device=device)
+        return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, base_gpu_id=device.index,
+                            mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
+    return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device)
+
+
+def push_weights(policy, engine) -> None:
+    """One stream of (hf_name, full tensor), gathered bucket by bucket; the engine re-buckets and flushes its cache
+    once at the end. TP peers without an engine (None) still run the all-gathers."""
+    weights = (pair for bucket in full_weights(policy) for pair in bucket)
+    if engine is not None:
+        engine.update_weights(weights)
+    else:
+        for _ in weights:
+            pass
 
 
 def decode(tok, ro) -> list[str]:
@@ -353,11 +396,12 @@ def main(cfg: Config) -> list[dict]:
     if not model_path:
         from data.tiny import default_model
 
+        kind = cfg.task if cfg.task in ("addition", "sort") else "addition"  # the built-in tasks have their own warm-up
         if rt.rank == 0:
-            default_model(os.path.join(REPO, ".cache"))  # built once, by rank 0; the others find it cached
+            default_model(os.path.join(REPO, ".cache"), task=kind)  # built once, by rank 0; the others find it cached
         if dist.is_initialized():
             dist.barrier()
-        model_path = default_model(os.path.join(REPO, ".cache"))
+        model_path = default_model(os.path.join(REPO, ".cache"), task=kind)
 
     ckpt = latest_checkpoint(cfg.out_dir)
     policy_path = os.path.join(ckpt, "policy") if ckpt else model_path
@@ -382,26 +426,41 @@ def main(cfg: Config) -> list[dict]:
             raise ValueError(f"checkpoint {ckpt} was written with --tp {state['tp']}, this run has --tp {cfg.tp}")
         start, bad_steps = state["step"], state["bad_steps"]
     engine = make_engine(cfg, policy_path, rt.device) if is_engine_rank else None
+    eval_engine = engine
+    if cfg.eval_dtype == "fp32":
+        eval_engine = EmbeddedEngine(policy_path, dtype="fp32", device=rt.device) if is_engine_rank else None
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or task.max_new_tokens, (tok.eos_token_id,), plan["n"], cfg.seed)
-    log = RunLog(cfg.out_dir, rt.rank, {**asdict(cfg), **plan, "model_path": model_path}, start, cfg.wandb, cfg.tensorboard)
+    # A fresh run (no checkpoint) drops whatever an earlier, killed attempt logged.
+    log = RunLog(cfg.out_dir, rt.rank, {**asdict(cfg), **plan, "model_path": model_path}, start if ckpt else -1, cfg.wandb, cfg.tensorboard)
     print0(f"{'resuming at step ' + str(start) if ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
            f"world {rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}")
-    if start == 0:
-        before = evaluate(engine, tok, task, cfg, sampling, dp_rank, plan["dp"])
+    if ckpt is None:
+        before = evaluate(eval_engine, tok, task, cfg, sampling, dp_rank, plan["dp"])
         log.log({"step": 0, **before})
         print0(f"before RL: greedy accuracy {before['eval/greedy_acc']:.1%}, sampled {before['eval/sampled_acc']:.1%} "
                f"on {min(cfg.eval_size, len(task.test))} held-out problems")
     order = {}  # epoch -> permutation of the train set, the same on every rank
     n_train = len(task.train)
+    # Critic pretraining (VC-PPO, VAPO): critic-only steps on the frozen start policy before step 1, until the
+    # explained variance plateaus (ev_plateaued) or --critic-pretrain steps. A kill before it ends redoes it.
+    pre = 0 if critic is not None and ckpt is None and cfg.critic_pretrain > 0 else None
+    init_head = critic is not None and ckpt is None  # a fresh value head starts at the mean reward
+    evs: list[float] = []
     bar = tqdm(total=cfg.steps, initial=start, disable=rt.rank != 0, dynamic_ncols=True)
-    for step in range(start, cfg.steps):
+    step = start
+    while step < cfg.steps:
         m: dict[str, list] = {}
         times: dict[str, float] = {}
         t_step = time.perf_counter()
+        pretraining = pre is not None
+        # Index of this batch in the data and sampling streams: pretraining batches are -1, -2, ..., so they
+        # draw their own prompts and seeds and the RL steps see the same data with or without pretraining.
+        g = -(pre + 1) if pretraining else step
+        where = f"critic pretraining step {pre + 1}" if pretraining else f"step {step + 1}"
 
         # 1 rollout: this replica's prompts, generated by its engine rank, shared with its TP peers
         with timed(times, "rollout"):
-            first = step * plan["prompts"] * plan["dp"] + dp_rank * plan["prompts"]
+            first = g * plan["prompts"] * plan["dp"] + dp_rank * plan["prompts"]
             idx = []
             for i in range(first, first + plan["prompts"]):
                 epoch = i // n_train
@@ -414,7 +473,7 @@ def main(cfg: Config) -> list[dict]:
             if engine is not None:
                 # Row r of this call is sampled with seed + r (engine contract), so the global batch does not
                 # depend on how it is split over data-parallel ranks.
-                seed = cfg.seed * 1_000_003 + step * cfg.rollout_batch + dp_rank * plan["rows"]
+                seed = (cfg.seed * 1_000_003 + g * cfg.rollout_batch + dp_rank * plan["rows"]) % 2**31
                 ro = engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], Sampling(**{**asdict(sampling), "seed": seed}))
                 engine.sleep()
             if tp_mesh is not None and tp_mesh.size() > 1:
@@ -429,6 +488,13 @@ def main(cfg: Config) -> list[dict]:
             b = type(b)(*(x.to(rt.device) if torch.is_tensor(x) else x for x in b))
             tokens, mask, infer_logp = ro.tokens.to(rt.device), ro.mask.to(rt.device), ro.infer_logp.to(rt.device)
             lengths = mask.sum(-1)
+
+        if init_head:  # the head starts as the constant mean reward of this first batch: EV 0, not the negative
+            with torch.no_grad():  # EV of a random head's noise (N(0, 0.02) rows give values of std ~0.2 here)
+                stats = all_reduce(torch.stack([scores.sum(), torch.tensor(float(len(scores)))]), dp_group)
+                critic.score.weight.zero_()
+                critic.score.bias.fill_((stats[0] / stats[1]).item())
+            init_head = False
 
         # 3 recompute at the rollout weights: pi_old, V_old, pi_ref
         with timed(times, "recompute"), torch.no_grad():
@@ -470,24 +536,27 @@ def main(cfg: Config) -> list[dict]:
         # 6 critic updates (K passes), GAE(lambda_critic) returns as targets
         with timed(times, "critic"):
             for k in range(cfg.critic_updates if critic is not None else 0):
-                for mb in minibatches(len(tokens), cfg, step, 1000 + k):
+                for mb in minibatches(len(tokens), cfg, g, 1000 + k):
                     denom = all_reduce(L.loss_denominator(mask[mb], cfg.agg, sampling.max_new_tokens), dp_group)
                     for r in micro(mb, cfg):
-                        loss, vm = L.value_loss(response_values(critic, b, r), old_values[r], returns[r], mask[r], clip=cfg.value_clip or None,
+                        # No value clipping while pretraining: the first values are the untrained head's.
+                        clip = None if pretraining else cfg.value_clip or None
+                        loss, vm = L.value_loss(response_values(critic, b, r), old_values[r], returns[r], mask[r], clip=clip,
                                                 scale=cfg.value_scale, agg=cfg.agg, num_tokens=denom)
                         loss.backward()
                         add(m, vm)
                     norm, ok = optimizer_step(critic, opts["critic"], cfg, dp_group)
-                    bad_steps = check_finite(ok, bad_steps, "critic", step, norm, cfg)
+                    bad_steps = check_finite(ok, bad_steps, "critic", where, norm, cfg)
                     add(m, {"critic/grad_norm": norm, "train/skipped_critic_update": float(not ok)})
-            if critic is not None:
-                add(m, {"critic/explained_variance": L.explained_variance(old_values, returns, mask)})
+            if critic is not None:  # of the values before this step's update: out of sample for this batch
+                add(m, {"critic/explained_variance": L.explained_variance(old_values, returns, mask),
+                        **L.explained_variance_by_position(old_values, returns, mask)})
 
         # 7 policy updates: PPO-clip (or DIS) with the correction's weights, global token denominator
-        update_policy = step >= cfg.critic_warmup or cfg.algo != "ppo"
+        update_policy = not pretraining
         with timed(times, "policy"):
             for epoch in range(cfg.ppo_epochs if update_policy else 0):
-                for mb in minibatches(len(tokens), cfg, step, epoch):
+                for mb in minibatches(len(tokens), cfg, g, epoch):
                     denom = all_reduce(L.loss_denominator(loss_mask[mb], cfg.agg, sampling.max_new_tokens), dp_group)
                     for r in micro(mb, cfg):
                         logits = response_logits(policy, b, r)
@@ -507,7 +576,7 @@ def main(cfg: Config) -> list[dict]:
                         pm["ppo/entropy"] = L.masked_mean(L.entropy_from_logits(logits.detach(), cfg.temperature), mask[r])
                         add(m, pm)
                     norm, ok = optimizer_step(policy, opts["policy"], cfg, dp_group)
-                    bad_steps = check_finite(ok, bad_steps, "policy", step, norm, cfg)
+                    bad_steps = check_finite(ok, bad_steps, "policy", where, norm, cfg)
                     add(m, {"ppo/grad_norm": norm, "train/skipped_update": float(not ok)})
 
         # 8 weight sync: wake the engine, push the new full weights bucket by bucket (every TP rank gathers)
@@ -515,14 +584,7 @@ def main(cfg: Config) -> list[dict]:
             if engine is not None:
                 engine.wake()
             if update_policy:
-                # One stream of (hf_name, full tensor), gathered bucket by bucket; the engine re-buckets and
-                # flushes its cache once at the end. TP peers without an engine still run the all-gathers.
-                weights = (pair for bucket in full_weights(policy) for pair in bucket)
-                if engine is not None:
-                    engine.update_weights(weights)
-                else:
-                    for _ in weights:
-                        pass
+                push_weights(policy, engine)
 
         # 9 metrics, evaluation, checkpoint
         n_tok = lengths.sum()
@@ -531,13 +593,35 @@ def main(cfg: Config) -> list[dict]:
             "rollout/response_len_max": lengths.max().float(), "rollout/tokens_per_s": n_tok * plan["dp"] / times["time/rollout"],  # dp engines run at once
             "rollout/truncated_frac": sum(f == "length" for f in ro.finish_reasons) / len(ro.finish_reasons),
         })
+        if cfg.algo == "grpo":  # groups whose n rewards are all equal carry no GRPO signal
+            groups = scores.view(-1, plan["n"])
+            add(m, {"grpo/identical_reward_frac": (groups.amax(-1) == groups.amin(-1)).float().mean()})
         times["time/step"] = time.perf_counter() - t_step
         add(m, times)
         add(m, {"mem/peak_gib_max": peak_memory_gib(rt.device)})
+        if pretraining:
+            row = {"step": 0, "pretrain/step": pre + 1, **reduce_metrics(m)}
+            evs.append(row["critic/explained_variance"])
+            pre += 1
+            plateau = ev_plateaued(evs)
+            row["pretrain/done"] = float(plateau or pre == cfg.critic_pretrain)
+            log.log(row)
+            if rt.rank == 0 and (pre % 10 == 0 or row["pretrain/done"]):
+                tqdm.write(f"critic pretraining {pre:3d} | vloss {row['critic/value_loss']:.4f} | ev {row['critic/explained_variance']:.2f}"
+                           f" | ev last {PLATEAU_WINDOW} {_finite_mean(evs[-PLATEAU_WINDOW:]):.3f}")
+            if row["pretrain/done"]:
+                print0(f"critic pretraining stopped after {pre} steps ({'plateau' if plateau else 'step cap --critic-pretrain'}): "
+                       f"mean explained variance of the last {PLATEAU_WINDOW} steps {_finite_mean(evs[-PLATEAU_WINDOW:]):.3f}")
+                save_checkpoint(cfg.out_dir, 0, rt.rank, rt.world_size, cfg.keep_checkpoints, policy=policy, critic=critic, tokenizer=tok,
+                                optimizers=opts, extra={"bad_steps": bad_steps, "tp": cfg.tp})
+                pre = None
+            continue
         row = {"step": step + 1, **reduce_metrics(m)}
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.eval_every == 0 or last:
-            row.update(evaluate(engine, tok, task, cfg, sampling, dp_rank, plan["dp"]))
+            if cfg.eval_dtype == "fp32":  # the fp32 copy gets the new weights only when it is used
+                push_weights(policy, eval_engine)
+            row.update(evaluate(eval_engine, tok, task, cfg, sampling, dp_rank, plan["dp"]))
         log.log(row)
         bar.update(1)
         bar.set_postfix(reward=f"{row['rollout/reward_mean']:.2f}", acc=f"{row.get('eval/greedy_acc', float('nan')):.2f}",
@@ -553,14 +637,15 @@ def main(cfg: Config) -> list[dict]:
         if (step + 1) % cfg.save_every == 0 or last:
             save_checkpoint(cfg.out_dir, step + 1, rt.rank, rt.world_size, cfg.keep_checkpoints, policy=policy, critic=critic, tokenizer=tok,
                             optimizers=opts, extra={"bad_steps": bad_steps, "tp": cfg.tp})
+        step += 1
     bar.close()
     if rt.rank == 0 and log.history:
         first, final = log.history[0], log.history[-1]
         if "eval/greedy_acc" in first and "eval/greedy_acc" in final:
             print(f"after RL ({cfg.steps} steps): greedy accuracy {first['eval/greedy_acc']:.1%} -> {final['eval/greedy_acc']:.1%}, "
                   f"sampled {first['eval/sampled_acc']:.1%} -> {final['eval/sampled_acc']:.1%}")
-    if engine is not None:
-        engine.shutdown()
+    for e in {id(x): x for x in (engine, eval_engine) if x is not None}.values():
+        e.shutdown()
     return log.history
 
 

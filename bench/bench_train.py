@@ -25,7 +25,7 @@ PHASES = ("rollout", "reward", "recompute", "advantages", "correction", "critic"
 def run(algo: str, nprocs: int, args) -> dict:
     out = tempfile.mkdtemp(prefix=f"bench-{algo}-{nprocs}-")
     flags = ["--algo", algo, "--steps", str(args.steps), "--rollout-batch", "64", "--max-new-tokens", "32",
-             "--critic-warmup", "0", "--eval-every", str(10**6), "--eval-size", "1", "--save-every", str(10**6),
+             "--critic-pretrain", "0", "--eval-every", str(10**6), "--eval-size", "1", "--save-every", str(10**6),
              "--out-dir", out, *(["--model", args.model] if args.model else []), "--engine", args.engine, *shlex.split(args.extra)]
     launch = [sys.executable] if nprocs == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))}

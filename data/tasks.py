@@ -4,7 +4,7 @@ A prompt is the user message (the chat template is applied by the rollout engine
 the exact string the completion must equal. All rewards here are single terminal rewards.
 
     addition  "042+315" -> "0357"                          (5 response tokens with <|im_end|>)
-    sort      "sort: 42 07 93 ..." -> "07 42 93 ..."        (33 response tokens: long horizon)
+    sort      "sort: 3 7 1 9 4 2 8 5" -> "1 2 3 4 5 7 8 9"  (16 response tokens: a longer horizon)
     a file    your own {"prompt", "answer"} rows, JSONL or parquet, exact-match reward
 
 `get_task(name)` picks one by name or path.
@@ -59,7 +59,7 @@ def _split_unique(make_example: Callable[[random.Random], tuple[str, str]], n_tr
     return _dataset(pairs[n_test:]), _dataset(pairs[:n_test])
 
 
-def addition_task(seed: int = 0, n_train: int = 20000, n_test: int = 500) -> Task:
+def addition_task(seed: int = 0, n_train: int = 20000, n_test: int = 3000) -> Task:
     """Fixed-width 3-digit addition: prompt "042+315", answer "0357" (always 4 digits, zero padded).
 
     The fixed width makes every answer 4 digit tokens + <|im_end|> with the byte-level tokenizer.
@@ -75,21 +75,24 @@ def addition_task(seed: int = 0, n_train: int = 20000, n_test: int = 500) -> Tas
     return Task("addition", train, test, exact_match_reward, max_new_tokens=8)
 
 
-def sort_task(seed: int = 0, n_train: int = 20000, n_test: int = 500, n_numbers: int = 11) -> Task:
-    """Sort two-digit numbers: prompt "sort: 42 07 93 ...", answer "07 42 93 ..." (ascending, space separated).
+def sort_task(seed: int = 0, n_train: int = 20000, n_test: int = 3000, n_numbers: int = 8, digits: int = 1) -> Task:
+    """Sort numbers: prompt "sort: 3 7 1 9 4 2 8 5", answer "1 2 3 4 5 7 8 9" (ascending, space separated,
+    zero-padded to `digits`).
 
-    With 11 numbers the answer is 11 * 2 digits + 10 spaces = 32 tokens, rewarded only as a whole at
-    the end: a long-horizon task where per-token credit assignment (the critic) matters.
+    The default (8 one-digit numbers) answers in 15 tokens + <|im_end|>, rewarded only as a whole at the end:
+    three times addition's horizon, where per-token credit assignment (the critic) matters. The tiny model's
+    warm-up learns it in a few CPU-minutes; 5 two-digit numbers stayed near 1% after 800 warm-up steps.
     """
-    if n_numbers < 2:
-        raise ValueError(f"sort_task: n_numbers must be >= 2, got {n_numbers}")
+    if n_numbers < 2 or digits < 1:
+        raise ValueError(f"sort_task: need n_numbers >= 2 and digits >= 1, got {n_numbers}, {digits}")
 
     def make_example(rng: random.Random) -> tuple[str, str]:
-        numbers = [rng.randrange(100) for _ in range(n_numbers)]
-        return "sort: " + " ".join(f"{x:02d}" for x in numbers), " ".join(f"{x:02d}" for x in sorted(numbers))
+        numbers = [rng.randrange(10**digits) for _ in range(n_numbers)]
+        fmt = lambda xs: " ".join(f"{x:0{digits}d}" for x in xs)  # noqa: E731
+        return "sort: " + fmt(numbers), fmt(sorted(numbers))
 
     train, test = _split_unique(make_example, n_train, n_test, seed)
-    answer_tokens = 3 * n_numbers - 1
+    answer_tokens = (digits + 1) * n_numbers - 1
     return Task("sort", train, test, exact_match_reward, max_new_tokens=answer_tokens + 8)
 
 

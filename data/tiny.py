@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from data.tasks import Task, addition_task, encode_prompt
+from data.tasks import TASKS, Task, encode_prompt
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, IM_START_ID, EOS_ID = 256, 257, 258  # the special tokens come right after the 256 bytes
@@ -31,11 +31,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 # Bump when a change to this file changes the built model, so old caches are not reused.
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 # Embedding rows are padded to a multiple of this (Megatron-style), for the vocab-parallel embedding.
 VOCAB_MULTIPLE = 64
 LR_WARMUP_STEPS, GRAD_CLIP = 30, 1.0
-DEFAULT_WARMUP = dict(target_acc=0.4, max_steps=600, batch_size=64, lr=3e-3, eval_every=25, n_eval=256)
+# Supervised warm-up per built-in task: stop at target_acc greedy exact match (or max_steps), so RL starts
+# from a policy that is right some of the time and has room to improve.
+DEFAULT_WARMUP = {
+    "addition": dict(target_acc=0.4, max_steps=600, batch_size=64, lr=3e-3, eval_every=25, n_eval=256),
+    "sort": dict(target_acc=0.2, max_steps=600, batch_size=64, lr=3e-3, eval_every=25, n_eval=256),
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -190,31 +195,34 @@ def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4,
     return {"steps": step, "accuracy": acc, "seconds": round(time.perf_counter() - start, 1), "history": history}
 
 
-def default_model(cache_dir: str = ".cache", seed: int = 0) -> str:
-    """Path of the warmed-up tiny addition model, built on first use and cached by seed + settings.
+def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "addition") -> str:
+    """Path of the tiny model warmed up on a built-in task ("addition" or "sort"), built on first use and
+    cached by task + seed + settings.
 
     Built in a temp folder and renamed into place, so an interrupted build never leaves a half-written
-    cache. The warm-up uses addition_task()'s default seed so its test split, the one RL evaluates on,
-    is never trained on whatever the model seed.
+    cache. The warm-up uses the task's default seed so its test split, the one RL evaluates on, is never
+    trained on whatever the model seed.
     """
+    if task not in DEFAULT_WARMUP:
+        raise ValueError(f"default_model: no default warm-up for task {task!r}; choose one of {sorted(DEFAULT_WARMUP)}")
     config = tiny_config(256 + len(SPECIAL_TOKENS)).to_diff_dict()
     config.pop("transformers_version")  # the same model under any version, so one cache entry
     settings = {"format": CACHE_FORMAT, "config": config,
-                "task": "addition", "warmup": DEFAULT_WARMUP,
+                "task": task, "warmup": DEFAULT_WARMUP[task],
                 "lr_warmup_steps": LR_WARMUP_STEPS, "grad_clip": GRAD_CLIP}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-    path = os.path.abspath(os.path.join(cache_dir, f"tiny-addition-seed{seed}-{key}"))
+    path = os.path.abspath(os.path.join(cache_dir, f"tiny-{task}-seed{seed}-{key}"))
     if os.path.isfile(os.path.join(path, "warmup.json")):
         return path
     os.makedirs(cache_dir, exist_ok=True)
-    print(f"building the default tiny model (1-2 minutes on CPU) into {path}", flush=True)
+    print(f"building the default tiny {task} model (1-3 minutes on CPU) into {path}", flush=True)
     tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".building-")
     os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache should read like any folder
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # the load/save bars would bury the one line above
     try:
         build_tiny_model(tmp, seed=seed)
-        stats = warmup(tmp, tmp, addition_task(), **DEFAULT_WARMUP, seed=seed)
+        stats = warmup(tmp, tmp, TASKS[task](), **DEFAULT_WARMUP[task], seed=seed)
         with open(os.path.join(tmp, "warmup.json"), "w") as f:
             json.dump(stats, f, indent=1)
         try:
@@ -230,4 +238,6 @@ def default_model(cache_dir: str = ".cache", seed: int = 0) -> str:
 
 
 if __name__ == "__main__":
-    print(default_model())
+    import sys
+
+    print(default_model(task=sys.argv[1] if len(sys.argv) > 1 else "addition"))

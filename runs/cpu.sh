@@ -38,7 +38,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py
   --lr 0.0002 \
   --critic-lr 0.0 \
   --critic-updates 2 \
-  --critic-warmup 3 \
+  --critic-pretrain 100 \
   --no-freeze-critic-attention \
   --value-clip 0.2 \
   --value-scale 0.5 \

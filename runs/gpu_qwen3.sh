@@ -42,7 +42,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" train_
   --lr 1e-6 \
   --critic-lr 5e-6 \
   --critic-updates 2 \
-  --critic-warmup 10 \
+  --critic-pretrain 100 \
   --no-freeze-critic-attention \
   --value-clip 0.2 \
   --value-scale 0.5 \

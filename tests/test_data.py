@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from data.tasks import addition_task, exact_match_reward, get_task, load_task, sort_task
-from data.tiny import (EOS_ID, PAD_ID, _sft_batch, build_tiny_model, build_tokenizer, default_model,
+from data.tiny import (DEFAULT_WARMUP, EOS_ID, PAD_ID, _sft_batch, build_tiny_model, build_tokenizer, default_model,
                        greedy_completions, tiny_config, warmup)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,9 +98,11 @@ def test_sort_task():
     tok = build_tokenizer()
     for row in list(task.train) + list(task.test):
         numbers = row["prompt"].removeprefix("sort: ").split()
-        assert len(numbers) == 11 and row["answer"].split() == sorted(numbers)
+        assert len(numbers) == 8 and row["answer"].split() == sorted(numbers) and all(len(x) == 1 for x in numbers)
         n_answer = len(tok(row["answer"] + "<|im_end|>", add_special_tokens=False).input_ids)
-        assert 32 < n_answer <= task.max_new_tokens
+        assert n_answer == 16 <= task.max_new_tokens
+    two = sort_task(n_train=50, n_test=5, n_numbers=3, digits=2).train[0]
+    assert len(two["prompt"].split()) == 4 and all(len(x) == 2 for x in two["answer"].split())
 
 
 def test_exact_match_reward():
@@ -200,15 +202,18 @@ def test_warmup_stops_at_target_and_is_deterministic(tiny_dir, tmp_path):
     assert any((pb != p0).any() for pb, p0 in zip(mb.parameters(), m0.parameters()))
 
 
-def test_default_model_reaches_target():
-    """Builds the default model once (about a minute, cached in .cache/) and re-checks its accuracy."""
-    path = default_model(cache_dir=os.path.join(ROOT, ".cache"))
-    assert default_model(cache_dir=os.path.join(ROOT, ".cache")) == path  # cached: same folder, no rebuild
-    assert not [d for d in os.listdir(os.path.dirname(path)) if d.startswith(".building-")]
+@pytest.mark.parametrize("task", ["addition", "sort"])
+def test_default_model_reaches_target(task):
+    """Builds each task's default model once (1-3 minutes, cached in .cache/) and re-checks its accuracy."""
+    path = default_model(cache_dir=os.path.join(ROOT, ".cache"), task=task)
+    assert default_model(cache_dir=os.path.join(ROOT, ".cache"), task=task) == path  # cached: same folder, no rebuild
+    assert f"tiny-{task}-" in path and not [d for d in os.listdir(os.path.dirname(path)) if d.startswith(".building-")]
     stats = json.load(open(os.path.join(path, "warmup.json")))
-    assert stats["accuracy"] >= 0.4 and stats["steps"] < 600  # stopped at the target, not at the cap
+    target = DEFAULT_WARMUP[task]
+    assert stats["accuracy"] >= target["target_acc"] and stats["steps"] < target["max_steps"]  # stopped at the target, not the cap
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    val = addition_task().train[:256]  # warmup()'s validation slice
-    completions = greedy_completions(model, tok, val["prompt"], max_new_tokens=8)
+    t = get_task(task)
+    val = t.train[:256]  # warmup()'s validation slice
+    completions = greedy_completions(model, tok, val["prompt"], max_new_tokens=t.max_new_tokens)
     assert sum(exact_match_reward(completions, val["answer"])) / 256 == stats["accuracy"]

@@ -76,6 +76,15 @@ def test_excluded_token_gets_floor_and_zero_grad():
     assert torch.all(logits.grad == 0)
 
 
+def test_greedy_keeps_one_token_lowest_id_on_ties():
+    # Ties with the maximum: top_k=1 keeps only the lowest id among them (a kth-value rule kept all three).
+    logits = torch.tensor([[1.0, 3.0, 0.5, 3.0, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]], dtype=torch.bfloat16)
+    x = L.process_logits(logits, 1.0, top_k=1)
+    assert torch.isfinite(x).sum(-1).tolist() == [1, 1]
+    assert x.argmax(-1).tolist() == [1, 0] and torch.isfinite(x[0, 1]) and torch.isfinite(x[1, 0])
+    assert L.token_logprobs(logits[:, None], torch.tensor([[1], [0]]), top_k=1).tolist() == [[0.0], [0.0]]
+
+
 def test_entropy_from_logits():
     logits = torch.randn(2, 3, 6)
     p = torch.softmax(logits / 0.5, -1)
@@ -367,3 +376,21 @@ def test_import_losses_pulls_in_nothing_beyond_torch():
         "new = sorted(m for m in set(sys.modules) - before if m != 'losses'); print(new); assert not new, new"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(L.__file__).parent))
+
+
+def test_position_buckets():
+    assert L.position_buckets(3) == [("0", 0, 1), ("1", 1, 2), ("2", 2, 3)]
+    assert L.position_buckets(6) == [("0", 0, 1), ("1", 1, 2), ("2", 2, 3), ("3", 3, 4), ("4-7", 4, 6)]
+    assert [b[0] for b in L.position_buckets(33)] == ["0", "1", "2", "3", "4-7", "8-15", "16-31", "32-63"]
+
+
+def test_explained_variance_by_position_is_ev_on_each_column_slice():
+    mask, draw = rand_batch(B=16, T=10, seed=3)
+    r, v = draw(), draw()
+    got = L.explained_variance_by_position(v, r, mask)
+    assert list(got) == [f"critic/ev_pos_{k}" for k in ("0", "1", "2", "3", "4-7", "8-15")]
+    for label, lo, hi in L.position_buckets(10):  # the slow way: cut the columns out, plain EV on them
+        sub = mask[:, lo:hi]
+        rr, vv = r[:, lo:hi][sub], v[:, lo:hi][sub]
+        want = 1 - ((rr - vv) - (rr - vv).mean()).pow(2).mean() / (rr - rr.mean()).pow(2).mean()
+        assert got[f"critic/ev_pos_{label}"].item() == pytest.approx(want.item(), rel=1e-5)

@@ -84,6 +84,30 @@ def engine(model_dir):
     eng.shutdown()
 
 
+def test_precision_knobs(model_dir, hf_model):
+    """int4 is refused; the fp8 KV cache is refused on CPU (torch_native has none) and runs as SGLang's
+    fp8_e4m3 on CUDA. Placed before the tests that start the module's engine, so on a GPU this one's
+    engine does not share the memory with it."""
+    from sglang_engine import SGLangEngine
+
+    with pytest.raises(ValueError, match="int4wo-32"):
+        SGLangEngine(model_dir, dtype="int4")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="intel_amx"):
+            SGLangEngine(model_dir, kv_cache_dtype="fp8")
+        return
+    eng = SGLangEngine(model_dir, dtype="bf16", kv_cache_dtype="fp8", max_total_tokens=4096, mem_fraction_static=0.3)
+    try:
+        s = Sampling(max_new_tokens=16, n=4)
+        ro = eng.generate(PROMPTS, s)
+        check_rollout(ro, PROMPTS, s, set())
+        d = (ro.infer_logp - trainer_logp(hf_model, ro, s)).abs()[ro.mask]
+        print(f"\n[sglang] bf16 + fp8 KV vs the fp32 trainer: mean |diff| {d.mean():.2e}, max {d.max():.2e}")
+        assert torch.isfinite(ro.infer_logp).all() and 0 < d.mean() < 0.5
+    finally:
+        eng.shutdown()
+
+
 def check_rollout(ro, prompts, s: Sampling, stop: set[int]):
     B = len(prompts) * s.n
     assert ro.tokens.shape == ro.infer_logp.shape == ro.mask.shape and ro.tokens.shape[0] == B

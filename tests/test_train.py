@@ -28,7 +28,7 @@ def rows(path):
 
 
 def small(tmp_path, **kw) -> Config:
-    base = dict(out_dir=str(tmp_path), steps=2, rollout_batch=32, eval_every=100, eval_size=64, save_every=100, critic_warmup=0)
+    base = dict(out_dir=str(tmp_path), steps=2, rollout_batch=32, eval_every=100, eval_size=64, save_every=100, critic_pretrain=0)
     return Config(**{**base, **kw})
 
 
@@ -44,6 +44,8 @@ def small(tmp_path, **kw) -> Config:
     (dict(model="/no/such/model"), 1, "not a Hugging Face model folder"),
     (dict(icepop_low=1.5), 1, "IcePop band"),
     (dict(engine_dtype="fp8", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
+    (dict(engine_dtype="int4", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
+    (dict(critic_pretrain=-1), 1, "--critic-pretrain must be >= 0"),
 ])
 def test_bad_configs_are_refused_before_work(kw, world, msg):
     with pytest.raises(ValueError, match=msg):
@@ -104,7 +106,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch)
     dict(correction="tis"), dict(correction="geo"), dict(correction="dis"), dict(correction="none", drop_masked_from_denominator=True),
     dict(kl="k1-reward"), dict(kl="k3-loss", agg="seq-mean-token-mean"), dict(adaptive_lambda=0.05, dual_clip=3.0, ppo_epochs=2, minibatches=2),
     dict(algo="grpo", grpo_std=False, agg="seq-mean-token-sum-norm", engine_dtype="fp8"), dict(freeze_critic_attention=True, top_p=0.9),
-    dict(task="sort", rollout_batch=8, micro_batch=4),
+    dict(task="sort", rollout_batch=8, micro_batch=4), dict(engine_dtype="int4", kv_cache_dtype="fp8", eval_dtype="fp32"),
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_every_option_runs_a_step(tmp_path, kw):
     """Each switch of the recipe runs through the whole loop and logs finite losses."""
@@ -113,6 +115,30 @@ def test_every_option_runs_a_step(tmp_path, kw):
     assert row["step"] == 1 and row["ppo/grad_norm"] == row["ppo/grad_norm"] and row["train/skipped_update"] == 0
     if kw.get("kl") == "k3-loss":
         assert row["ppo/kl_ref"] >= 0
+
+
+def test_ev_plateau_rule():
+    from train_ppo import PLATEAU_WINDOW as W, ev_plateaued
+
+    rising = [i / 100 for i in range(2 * W)]  # +0.1 from one window to the next
+    assert not ev_plateaued(rising[:-1]) and not ev_plateaued(rising)
+    assert ev_plateaued([0.3] * (2 * W)) and ev_plateaued([0.3] * W + [0.305] * W)  # gain 0.005 < 0.01
+    assert not ev_plateaued([0.3] * (W - 1) + [float("nan")] + [0.32] * W)  # a NaN batch is skipped, not a stop
+
+
+def test_critic_pretraining_trains_only_the_critic_before_step_1(tmp_path):
+    hist = main(small(tmp_path, critic_pretrain=4, steps=1, save_every=1))
+    pre = [r for r in hist if "pretrain/step" in r]
+    assert [r["pretrain/step"] for r in pre] == [1, 2, 3, 4] and [r["pretrain/done"] for r in pre] == [0, 0, 0, 1]
+    assert all(r["step"] == 0 and "ppo/grad_norm" not in r and "critic/value_loss" in r for r in pre)
+    assert hist[-1]["step"] == 1 and "ppo/grad_norm" in hist[-1] and "critic/ev_pos_0" in hist[-1]
+    # The policy saved when pretraining ends is the start model, bit for bit.
+    start = load_file(os.path.join(json.load(open(tmp_path / "config.json"))["config"]["model_path"], "model.safetensors"))
+    after = load_file(tmp_path / "checkpoints" / "step_000000" / "policy" / "model.safetensors")
+    assert start.keys() == after.keys() and all(torch.equal(start[k], after[k]) for k in start)
+    # Resuming with more steps continues RL; pretraining is not redone.
+    hist = main(small(tmp_path, critic_pretrain=4, steps=2, save_every=1))
+    assert [r["step"] for r in hist].count(0) == 5 and hist[-1]["step"] == 2
 
 
 def test_loop_whiten_equals_masked_whiten_in_one_process():
@@ -131,7 +157,7 @@ def test_loop_whiten_equals_masked_whiten_in_one_process():
 def test_short_run_improves_reward(tmp_path, algo, steps):
     """From the warmed-up tiny model (about 47% greedy), a short run with the default recipe raises greedy
     held-out accuracy by 8 points and the rollout reward."""
-    hist = main(small(tmp_path, algo=algo, steps=steps, rollout_batch=64, eval_every=steps, eval_size=500, save_every=steps, critic_warmup=3))
+    hist = main(small(tmp_path, algo=algo, steps=steps, rollout_batch=64, eval_every=steps, eval_size=500, save_every=steps, critic_pretrain=10))
     first, last = hist[0], hist[-1]
     assert last["eval/greedy_acc"] > first["eval/greedy_acc"] + 0.08, (first, last)
     reward = [r["rollout/reward_mean"] for r in hist[1:]]
@@ -157,16 +183,19 @@ def _run(args, **kw):
     return subprocess.Popen([sys.executable, "train_ppo.py", *args], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def test_sigkill_and_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("kill_after_lines", [3, 7])
+def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines):
+    """Killed during critic pretraining (3 lines: the evaluation before RL and 2 pretraining rows; it is redone)
+    or after RL step 3 (7 lines: evaluation, 3 pretraining rows, 3 steps; it resumes from step 2)."""
     args = ["--steps", "6", "--save-every", "2", "--eval-every", "3", "--eval-size", "32", "--rollout-batch", "32",
-            "--critic-warmup", "1", "--deterministic"]
+            "--critic-pretrain", "3", "--deterministic"]
     ref = _run([*args, "--out-dir", str(tmp_path / "ref")])
     assert ref.wait(600) == 0, ref.stdout.read()
     killed = _run([*args, "--out-dir", str(tmp_path / "run")])
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 600
-    while time.time() < deadline and killed.poll() is None:  # kill mid-run, after step 3 was logged
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
+    while time.time() < deadline and killed.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after_lines:
             killed.send_signal(signal.SIGKILL)
             break
         time.sleep(0.05)
@@ -174,7 +203,7 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path):
     resumed = _run([*args, "--out-dir", str(tmp_path / "run")])
     out = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0, out
-    assert "resuming at step" in out
+    assert "resuming at step" in out or kill_after_lines == 3
     assert rows(tmp_path / "run") == rows(tmp_path / "ref")
 
 
@@ -190,7 +219,7 @@ def _final_weights(out_dir):
 def test_torchrun_step_equals_single_process(tmp_path, mode):
     """One PPO step with 2 processes (dp=2, or tp=2) equals the single-process step: the same rollouts (row
     seeds), advantages and global-denominator losses (micro-batched), so the same weights after the update."""
-    args = ["--steps", "1", "--critic-warmup", "0", "--eval-size", "32", "--engine-dtype", "fp32", "--micro-batch", "8"]
+    args = ["--steps", "1", "--critic-pretrain", "0", "--eval-size", "32", "--engine-dtype", "fp32", "--micro-batch", "8"]
     single = _run([*args, "--out-dir", str(tmp_path / "single")])
     assert single.wait(600) == 0, single.stdout.read()
     tp = ["--tp", "2"] if mode == "tp2" else []
@@ -237,7 +266,7 @@ def test_tp2_resume_equals_uninterrupted(tmp_path):
     stopped at step 2 and resumed to step 3 logs what an uninterrupted tp=2 run logs."""
     def launch(out, steps):
         args = ["--steps", str(steps), "--save-every", "2", "--eval-every", "3", "--eval-size", "16", "--rollout-batch", "16",
-                "--critic-warmup", "0", "--deterministic", "--tp", "2", "--out-dir", str(out)]
+                "--critic-pretrain", "0", "--deterministic", "--tp", "2", "--out-dir", str(out)]
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train_ppo.py", *args],
                               cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

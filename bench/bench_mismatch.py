@@ -1,0 +1,109 @@
+"""Train-inference mismatch of each rollout precision knob: the embedded engine against the fp32 trainer.
+
+    .venv/bin/python bench/bench_mismatch.py                     # default tiny model, addition, 256 prompts
+    .venv/bin/python bench/bench_mismatch.py --task sort --prompts 256 --models .cache/tiny-addition-... other/
+
+For each model folder and knob (engine dtype + KV-cache dtype) the engine samples one response per prompt
+(train prompts of the task, chat formatted, temperature 1 and the <|im_end|> stop, as train_ppo.py samples),
+and the HF model in fp32 recomputes the log-probs of the same tokens as train_ppo.py does
+(Rollout.to_batch, losses.token_logprobs). Per response token, with k = pi_train / pi_infer of the token:
+
+    k3         mean of k - 1 - log k (losses.mismatch_metrics): an estimate of KL(pi_infer || pi_train)
+    KL         the exact KL(pi_infer || pi_train) of the full next-token distributions at the same
+               positions (the engine's from EmbeddedEngine.logits over prompt + response, no cache)
+    out [0.5,2] tokens whose k leaves IcePop's band (what it masks), per mille
+    max|log k|
+
+The fp32 row is the control (same pipeline, no precision change). One thread; the default run takes
+under a minute on 2 shared cores, most of it in the bf16-compute knobs (bf16 matmuls are slow on CPUs
+without AVX512-BF16). 256 prompts give about 1,300 addition tokens, so one token is 0.8 per mille: use
+--prompts 1024 or more for steadier per-mille figures.
+"""
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # run from anywhere
+import losses  # noqa: E402
+from data.tasks import encode_prompt, get_task  # noqa: E402
+from data.tiny import default_model  # noqa: E402
+from rollout import EmbeddedEngine, Rollout, Sampling  # noqa: E402
+
+KNOBS = [("fp32", "auto"), ("bf16", "auto"), ("fp8", "auto"), ("int4", "auto"), ("bf16", "fp8"), ("int4", "fp8")]
+ROWS = 256  # rows per forward pass
+
+
+def train_logits(model, ro: Rollout, pad_id: int) -> torch.Tensor:
+    """The trainer's fp32 logits [B, T, V] predicting each response token (train_ppo.py's layout)."""
+    b = ro.to_batch(pad_id)
+    P = b.response_start
+    with torch.no_grad():
+        return torch.cat([model(input_ids=b.input_ids[i : i + ROWS], attention_mask=b.attention_mask[i : i + ROWS],
+                                position_ids=b.position_ids[i : i + ROWS]).logits[:, P - 1 : -1]
+                          for i in range(0, len(ro.tokens), ROWS)])
+
+
+def engine_logits(engine: EmbeddedEngine, ro: Rollout) -> torch.Tensor:
+    """The engine's logits [B, T, V] predicting each response token, from full unpadded forwards. Rows are
+    grouped by prompt length; the padding after a response cannot reach earlier positions (causal)."""
+    B, T = ro.tokens.shape
+    out = torch.zeros(B, T, engine.vocab_size)
+    lengths = torch.tensor([len(p) for p in ro.prompt_ids])
+    for L in lengths.unique().tolist():
+        rows = (lengths == L).nonzero()[:, 0]
+        for chunk in rows.split(ROWS):
+            ids = torch.cat([torch.tensor([ro.prompt_ids[r] for r in chunk.tolist()]), ro.tokens[chunk]], dim=1)
+            out[chunk] = engine.logits(ids)[:, L - 1 : -1]
+    return out
+
+
+def measure(model, dtype: str, kv: str, prompts: list[list[int]], sampling: Sampling, pad_id: int) -> dict:
+    engine = EmbeddedEngine(model, dtype=dtype, kv_cache_dtype=kv)
+    ro = engine.generate(prompts, sampling)
+    train = train_logits(model, ro, pad_id)
+    train_logp = losses.token_logprobs(train, ro.tokens)
+    m = losses.mismatch_metrics(train_logp, ro.infer_logp, ro.mask)
+    p, q = engine_logits(engine, ro).log_softmax(-1), train.log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1)[ro.mask]
+    return {"k3": m["mismatch/k3"].item(), "kl": kl.mean().item(), "out": 1000 * m["mismatch/masked_frac"].item(),
+            "max": m["mismatch/abs_diff_max"].item(), "tokens": int(ro.mask.sum())}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", help="HF model folders (default: the embedded default tiny model)")
+    ap.add_argument("--task", default="addition", choices=["addition", "sort"])
+    ap.add_argument("--prompts", type=int, default=256, help="train prompts sampled per knob (one response each)")
+    ap.add_argument("--seed", type=int, default=0, help="picks the prompts and seeds the sampling")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    task = get_task(args.task)
+    idx = random.Random(args.seed).sample(range(len(task.train)), args.prompts)
+    texts = task.train.select(idx)["prompt"]
+    for path in args.models or [default_model(os.path.join(REPO, ".cache"))]:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        prompts = [encode_prompt(tok, t) for t in texts]
+        sampling = Sampling(temperature=1.0, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,),
+                            seed=args.seed)
+        print(f"model {path}\ntask {args.task}, {args.prompts} prompts, seed {args.seed}; per response token:")
+        print(f"{'engine':<12} {'kv cache':<9} {'k3':>9} {'exact KL':>9} {'out [0.5,2]':>12} {'max|log k|':>11} "
+              f"{'tokens':>7} {'s':>5}")
+        for dtype, kv in KNOBS:
+            t0 = time.perf_counter()
+            r = measure(model, dtype, kv, prompts, sampling, tok.pad_token_id)
+            print(f"{dtype:<12} {kv:<9} {r['k3']:>9.2e} {r['kl']:>9.2e} {r['out']:>10.2f}\u2030 {r['max']:>11.3f} "
+                  f"{r['tokens']:>7} {time.perf_counter() - t0:>5.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,465 @@
+"""The lab: run a named grid of train_ppo.py configurations x seeds, then write a report.
+
+    .venv/bin/python bench/lab.py mismatch --arms core    # the core arms first (all seeds); rerun to resume
+    .venv/bin/python bench/lab.py mismatch                # the whole grid (finished runs are skipped)
+    .venv/bin/python bench/lab.py horizon --quick         # smoke run: 2 seeds, 2 arms, 4 steps; report under lab_runs/
+    .venv/bin/python bench/lab.py mismatch --only-report  # rebuild docs/lab/mismatch.md, e.g. from docs/lab/mismatch/metrics.jsonl.gz
+
+Each (task, arm, seed) is a normal run folder <runs-dir>/<grid>/<task>/<arm>/seed<k> written by one single-process
+train_ppo.py (its output in log.txt); --jobs of them run at once. A run is finished when its metrics.jsonl has an
+evaluation row at the last step; any other is relaunched, and train_ppo.py resumes it from its last checkpoint. The
+report (docs/lab/<grid>.md; PNGs and the compact metrics in docs/lab/<grid>/) opens with the grid's hypothesis and
+decision rule, written below before the grid was run: never edit them after seeing results; add a new grid instead.
+"""
+
+import argparse
+import gzip
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+ALGOS = {"ppo": ["--algo", "ppo"], "grpo": ["--algo", "grpo", "--n-samples", "8"]}
+MISMATCH_ARMS = {  # appended to each algorithm's flags: arm "<algo>-<label>"
+    "bf16-none": ["--engine-dtype", "bf16", "--correction", "none"],
+    "int4-none": ["--engine-dtype", "int4", "--correction", "none"],
+    "int4-tis": ["--engine-dtype", "int4", "--correction", "tis"],
+    "int4-icepop": ["--engine-dtype", "int4", "--correction", "icepop"],
+    "int4-geo": ["--engine-dtype", "int4", "--correction", "geo"],
+    "kvfp8-none": ["--engine-dtype", "bf16", "--kv-cache-dtype", "fp8", "--correction", "none"],
+    "kvfp8-icepop": ["--engine-dtype", "bf16", "--kv-cache-dtype", "fp8", "--correction", "icepop"],
+    "int4-none-mb4": ["--engine-dtype", "int4", "--correction", "none", "--minibatches", "4"],  # 4 optimiser steps per batch
+    "int4-icepop-mb4": ["--engine-dtype", "int4", "--correction", "icepop", "--minibatches", "4"],
+}
+# --quick: 2 seeds, addition only, 2 arms, 4 steps of 16 completions, 50 evaluation problems, 2 critic pretraining steps
+QUICK = {"seeds": [0, 1], "tasks": ["addition"], "steps": 4,
+         "base": ["--rollout-batch", "16", "--eval-every", "2", "--eval-size", "50", "--save-every", "25", "--critic-pretrain", "2"]}
+GRIDS = {
+    "mismatch": {
+        "hypothesis": "An int4 rollout engine (and, less so, an fp8 KV cache) against the fp32 trainer raises the train-inference mismatch "
+        "(k3) well above the bf16 engine's, and without a correction this lowers the final held-out sampled accuracy relative to bf16-none. "
+        "Token-level correction (IcePop; also TIS and the geometric sequence mask) recovers most of that loss. Both the loss and the "
+        "recovery are larger when later minibatches are off-policy (--minibatches 4). This holds for PPO with a learned critic and for "
+        "GRPO with 8 samples per prompt.",
+        "decision_rule": "Primary endpoint: held-out sampled accuracy at the last step (all 3000 test problems, sampled by an fp32 copy of the "
+        "policy, --eval-dtype fp32, so int4 arms are judged on the policy they trained, not on its quantised copy), one value per seed; 95% t-interval "
+        "of the seed mean; each task and algorithm judged separately. (1) An arm is DEGRADED if its mean is at least 5 points below "
+        "<algo>-bf16-none's and the two intervals do not overlap. (2) A correction HELPS if its arm's mean is at least 5 points above the "
+        "uncorrected arm's with the same engine and minibatches (int4-tis, int4-icepop, int4-geo vs int4-none; kvfp8-icepop vs "
+        "kvfp8-none; int4-icepop-mb4 vs int4-none-mb4) and the intervals do not overlap; it HURTS if at least 5 points below with "
+        "non-overlapping intervals. The hypothesis is supported for a task and algorithm if int4-none is DEGRADED and int4-icepop HELPS "
+        "over it (or the same for the -mb4 pair). A comparison with fewer than 2 finished seeds in either arm is not evaluated. "
+        "Anything else is a null result for that comparison.",
+        "tasks": ["addition", "sort"],
+        "seeds": [0, 1, 2, 3, 4],
+        "steps": {"addition": 80, "sort": 80},  # set before running, never after seeing results
+        "base": ["--rollout-batch", "64", "--eval-every", "20", "--eval-size", "3000", "--eval-dtype", "fp32", "--save-every", "20",
+                 "--keep-checkpoints", "1"],
+        "arms": {f"{algo}-{label}": ALGOS[algo] + flags for algo in ALGOS for label, flags in MISMATCH_ARMS.items()},
+        "core": [f"{algo}-{label}" for algo in ALGOS for label in ("bf16-none", "int4-none", "int4-icepop", "int4-tis")],
+        "split_by_algo": True,  # plots: one column of axes per algorithm
+        "quick": {**QUICK, "arms": ["ppo-int4-none", "ppo-int4-icepop"]},
+    },
+    "horizon": {
+        "hypothesis": "At equal completions per step (64) and equal steps, PPO with a learned critic reaches a higher final held-out greedy "
+        "accuracy than GRPO with 4 or 8 samples per prompt: token-level GAE assigns credit within every completion, while GRPO gets no "
+        "signal from groups whose rewards are all equal. The advantage is larger on sort (longer responses) than on addition. PPO runs "
+        "with train_ppo.py's default critic pretraining (critic-only steps on the start policy before step 1, until the critic's "
+        "explained variance plateaus); those rollouts are not counted in the equal budget.",
+        "decision_rule": "Primary endpoint: held-out greedy accuracy at the last step (all 3000 test problems, fp32 copy of the policy), one value per seed (5 seeds); 95% "
+        "t-interval of the seed mean; each task judged separately. PPO is BETTER if its mean is at least 5 points above the mean of each "
+        "GRPO arm (grpo-n4, grpo-n8) and its interval overlaps neither; PPO is WORSE if its mean is at least 5 points below each GRPO "
+        "arm's and its interval overlaps neither; otherwise the task is a null result. 'Larger on sort' holds only if PPO is BETTER on "
+        "sort and its margin over the better GRPO arm is larger on sort than on addition. Arms with fewer than 2 finished seeds are not "
+        "evaluated.",
+        "tasks": ["sort", "addition"],
+        "seeds": [0, 1, 2, 3, 4],
+        "steps": {"sort": 80, "addition": 80},  # set before running, never after seeing results
+        "base": ["--rollout-batch", "64", "--engine-dtype", "bf16", "--correction", "icepop", "--eval-every", "20", "--eval-size", "3000",
+                 "--eval-dtype", "fp32", "--save-every", "20", "--keep-checkpoints", "1"],
+        "arms": {"ppo": ["--algo", "ppo"], "grpo-n4": ["--algo", "grpo", "--n-samples", "4"], "grpo-n8": ["--algo", "grpo", "--n-samples", "8"]},
+        "core": ["ppo", "grpo-n4", "grpo-n8"],
+        "quick": {**QUICK, "arms": ["ppo", "grpo-n4"]},
+    },
+}
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "train_ppo.py")
+KEEP = ("eval/greedy_acc", "eval/sampled_acc", "mismatch/k3", "mismatch/masked_frac_low",
+        "mismatch/masked_frac_high", "ppo/grad_norm", "ppo/entropy", "critic/explained_variance", "grpo/identical_reward_frac")
+# two-sided 95% t quantiles t_{0.975, df}, df = 1..30 (scipy is not a dependency)
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+NAN = float("nan")
+finite = lambda v: isinstance(v, (int, float)) and v == v  # noqa: E731  (not None, not NaN)
+
+
+def ci95(values):
+    """(mean, half-width of the 95% t-interval of the mean, n) over the non-NaN values; half-width NaN below 2."""
+    v = [x for x in values if finite(x)]
+    n = len(v)
+    mean = sum(v) / n if n else NAN
+    if n < 2:
+        return mean, NAN, n
+    t = T975[n - 2] if n <= 31 else 1.96 + (1.96**3 + 1.96) / (4 * (n - 1))  # Cornish-Fisher beyond the table
+    return mean, t * math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1) / n), n
+
+
+def grid_spec(name, quick):
+    """The grid, or its quick variant (the quick dict's keys replace the grid's; arms: a list of labels or a dict)."""
+    g = dict(GRIDS[name])
+    if quick:
+        q = g["quick"]
+        arms = q.get("arms", list(g["arms"]))
+        g.update({k: v for k, v in q.items() if k != "arms"})
+        g["arms"] = arms if isinstance(arms, dict) else {a: g["arms"][a] for a in arms}
+        g["core"] = [a for a in g.get("core", []) if a in g["arms"]]
+    return g
+
+
+def steps_of(g, task):
+    return g["steps"][task] if isinstance(g["steps"], dict) else g["steps"]
+
+
+def read_rows(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line train_ppo.py is writing right now
+                pass
+    return rows
+
+
+def curve(rows):
+    """Per-step rows, critic pretraining rows dropped, the last row of a step winning."""
+    return sorted({r["step"]: r for r in rows if "pretrain/step" not in r}.values(), key=lambda r: r["step"])
+
+
+def finished(run_dir, steps):
+    return any(r["step"] == steps and "eval/greedy_acc" in r for r in curve(read_rows(run_dir)))
+
+
+def log_tail(path, n=15):
+    with open(path, errors="replace") as f:
+        return "\n".join([x for x in re.split(r"[\r\n]", f.read()) if x.strip()][-n:])  # tqdm bars end in \r
+
+
+def run_all(g, root, todo, jobs):
+    """Launch the unfinished runs of todo, `jobs` at a time; returns {run key: log tail} of the failed ones."""
+    pending, running, failed, warm, done = [], {}, {}, set(), 0
+    for job in todo:
+        key = "{}/{}/seed{}".format(*job)
+        if finished(f"{root}/{key}", steps_of(g, job[0])):
+            print(f"skip {key} (finished)", flush=True)
+        else:
+            pending.append(job)
+    total = len(pending)
+    try:
+        while pending or running:
+            for job in list(pending):
+                # The first run of a task may build the task's default model into .cache: the others wait for its first row.
+                if len(running) >= jobs or (job[0] not in warm and any(j[0] == job[0] for j, _, _ in running.values())):
+                    continue
+                pending.remove(job)
+                task, arm, seed = job
+                d = f"{root}/{task}/{arm}/seed{seed}"
+                os.makedirs(d, exist_ok=True)
+                cmd = [sys.executable, TRAIN, "--out-dir", d, "--seed", str(seed), "--task", task,
+                       "--steps", str(steps_of(g, task)), *g["base"], *g["arms"][arm]]
+                with open(os.path.join(d, "log.txt"), "a") as log:
+                    log.write(f"\n$ {shlex.join(cmd)}\n")
+                    log.flush()
+                    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+                    running[subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)] = (job, d, time.time())
+            time.sleep(0.5)
+            warm |= {j[0] for j, d, _ in running.values() if j[0] not in warm and read_rows(d)}
+            for p in [p for p in running if p.poll() is not None]:
+                (task, arm, seed), d, t0 = running.pop(p)
+                key, done = f"{task}/{arm}/seed{seed}", done + 1
+                if p.returncode == 0 and finished(d, steps_of(g, task)):
+                    acc = [r for r in curve(read_rows(d)) if "eval/greedy_acc" in r][-1]["eval/greedy_acc"]
+                    print(f"[{done}/{total}] done {key}: final greedy acc {acc:.1%}, {time.time() - t0:.0f} s", flush=True)
+                else:
+                    failed[key] = log_tail(os.path.join(d, "log.txt"))
+                    print(f"[{done}/{total}] FAILED {key} (exit {p.returncode}), {d}/log.txt ends:\n{failed[key]}", flush=True)
+    finally:  # on Ctrl-C or an error here, stop the runs this process started (they resume on the next invocation)
+        for p in running:
+            p.terminate()
+            p.wait()
+    return failed
+
+
+def collect(g, root):
+    """The finished runs under root, reduced to what the report uses (compact: 4 significant digits)."""
+    runs = []
+    for task in g["tasks"]:
+        for arm in g["arms"]:
+            for seed in g["seeds"]:
+                d, S = f"{root}/{task}/{arm}/seed{seed}", steps_of(g, task)
+                if not finished(d, S):
+                    continue
+                with open(os.path.join(d, "config.json")) as f:
+                    cfg = json.load(f)["config"]
+                with open(os.path.join(d, "log.txt"), errors="replace") as f:
+                    n_eval = re.findall(r"on (\d+) held-out problems", f.read())
+                rows = read_rows(d)
+                keep = [{k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in r.items()  # per-position EV: last 20% only
+                         if k == "step" or k in KEEP or k.startswith("critic/ev_pos_") and r["step"] > 0.8 * S} for r in curve(rows)]
+                runs.append({"task": task, "arm": arm, "seed": seed, "steps": S, "rollout_batch": cfg["rollout_batch"],
+                             "eval_n": int(n_eval[-1]) if n_eval else None, "pretrain_steps": sum("pretrain/step" in r for r in rows), "rows": keep})
+    return runs
+
+
+def save_compact(path, meta, runs):
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:  # mtime 0: same data, same bytes
+        f.write("".join(json.dumps(x) + "\n" for x in [{"meta": meta}, *runs]).encode())
+
+
+def load_compact(path):
+    if not os.path.isfile(path):
+        return {}, []
+    with gzip.open(path, "rt") as f:
+        lines = [json.loads(line) for line in f]
+    return lines[0]["meta"], lines[1:]
+
+
+def run_stats(run):
+    """The table's per-run numbers: accuracies in points; k3 over the first / last 20% of steps; masked fractions
+    over all steps; EV over steps 51-80."""
+    rows, S = run["rows"], run["steps"]
+    ev, w = [r for r in rows if "eval/greedy_acc" in r], max(1, round(0.2 * S))
+
+    def mean(key, lo, hi):
+        v = [r[key] for r in rows if lo <= r["step"] <= hi and finite(r.get(key))]
+        return sum(v) / len(v) if v else NAN
+    return {"final_greedy": 100 * ev[-1]["eval/greedy_acc"], "best_greedy": 100 * max(r["eval/greedy_acc"] for r in ev if r["step"] >= 1),
+            "final_sampled": 100 * ev[-1]["eval/sampled_acc"], "k3_first": mean("mismatch/k3", 1, w), "k3_last": mean("mismatch/k3", S - w + 1, S),
+            "masked_low": mean("mismatch/masked_frac_low", 1, S), "masked_high": mean("mismatch/masked_frac_high", 1, S),
+            "ev_51_80": mean("critic/explained_variance", 51, 80), "pretrain": run.get("pretrain_steps", 0)}
+
+
+def compare(a, b, points=5.0):
+    """+1: a's mean at least `points` above b's and the 95% intervals do not overlap; -1: the same below; 0: neither;
+    None: not evaluated (an arm missing, or fewer than 2 seeds). a, b: ci95 triples or None."""
+    if a is None or b is None or a[2] < 2 or b[2] < 2:
+        return None
+    apart = a[0] - a[1] > b[0] + b[1] or b[0] - b[1] > a[0] + a[1]
+    return 0 if not apart or abs(a[0] - b[0]) < points else 1 if a[0] > b[0] else -1
+
+
+def verdict_mismatch(stats):
+    """The mismatch decision rule; stats[task][arm][metric] = ci95 triple."""
+    lines, passed = [], False
+    pairs = [("int4-tis", "int4-none"), ("int4-icepop", "int4-none"), ("int4-geo", "int4-none"), ("kvfp8-icepop", "kvfp8-none"),
+             ("int4-icepop-mb4", "int4-none-mb4")]
+    for task, arms in stats.items():
+        for algo in ALGOS:
+            s = lambda label: arms.get(f"{algo}-{label}", {}).get("final_sampled")  # noqa: E731
+            if not any(a.startswith(f"{algo}-") for a in arms):
+                continue
+            ref = s("bf16-none")
+            deg = {x: compare(s(x), ref) for x in MISMATCH_ARMS if x != "bf16-none" and s(x) is not None and ref is not None}
+            cor = {(c, u): compare(s(c), s(u)) for c, u in pairs if s(c) is not None and s(u) is not None}
+            out = [f"DEGRADED {x}" for x, v in deg.items() if v == -1] + [f"{c} {'HELPS' if v == 1 else 'HURTS'} over {u}" for (c, u), v in cor.items() if v]
+            skipped = [x for x, v in deg.items() if v is None] + [f"{c} vs {u}" for (c, u), v in cor.items() if v is None]
+            support = any(deg.get(u) == -1 and cor.get((c, u)) == 1 for c, u in [("int4-icepop", "int4-none"), ("int4-icepop-mb4", "int4-none-mb4")])
+            passed |= bool(out)
+            lines.append(f"- {task} / {algo}: " + ("; ".join(out) if out else "null result (no comparison passes the rule)")
+                         + ("; **hypothesis supported**" if support else "") + (f" (not evaluated, < 2 seeds: {', '.join(skipped)})" if skipped else "")
+                         + ("" if ref else f" (no {algo}-bf16-none runs: DEGRADED not evaluated)"))
+    return lines + ([] if passed else ["", "**Null result**: no comparison passes the decision rule."])
+
+
+def verdict_horizon(stats):
+    lines, margins = [], {}
+    for task, arms in stats.items():
+        ppo, grpo = arms.get("ppo", {}).get("final_greedy"), [arms[a]["final_greedy"] for a in ("grpo-n4", "grpo-n8") if a in arms]
+        res = [compare(ppo, x) for x in grpo]
+        if len(res) < 2 or None in res:
+            lines.append(f"- {task}: not evaluated (ppo, grpo-n4 and grpo-n8 need >= 2 finished seeds each)")
+            continue
+        margins[task] = ("PPO BETTER" if set(res) == {1} else "PPO WORSE" if set(res) == {-1} else "null result", ppo[0] - max(x[0] for x in grpo))
+        lines.append(f"- {task}: {margins[task][0]} (PPO minus the better GRPO arm: {margins[task][1]:+.1f} points)")
+    if "sort" in margins and "addition" in margins:
+        ok = margins["sort"][0] == "PPO BETTER" and margins["sort"][1] > margins["addition"][1]
+        lines.append(f"- larger on sort: {'yes' if ok else 'no (null result)'}")
+    if not any(v != "null result" for v, _ in margins.values()):
+        lines += ["", "**Null result**: no task passes the decision rule."]
+    return lines
+
+
+VERDICTS = {"mismatch": verdict_mismatch, "horizon": verdict_horizon}
+
+
+def plots(g, runs, task, out_dir):
+    """One PNG per family of quantities (rows of axes: quantities; columns: algorithms when split_by_algo).
+    Lines: seed mean per arm; shaded: min-max over seeds. Returns the file names."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    by_arm = {a: rs for a in g["arms"] if (rs := [r for r in runs if r["task"] == task and r["arm"] == a])}
+    groups = {}
+    for a in by_arm:
+        groups.setdefault(a.split("-")[0] if g.get("split_by_algo") else "all arms", []).append(a)
+    color = {a: plt.cm.tab10(i % 10) for arms in groups.values() for i, a in enumerate(arms)}  # same label, same colour in each column
+    smooth = max(1, max(r["steps"] for r in runs) // 30)
+
+    def seed_curve(rs, key, k):
+        pts = {}
+        for r in rs:
+            for row in r["rows"]:
+                if finite(row.get(key)):
+                    pts.setdefault(row["step"], []).append(row[key])
+        x = np.array(sorted(pts))
+        k = min(k, len(x))
+        ys = [np.convolve([f(pts[s]) for s in x], np.ones(k) / k, mode="valid") for f in (np.mean, min, max)] if k else []
+        return x[k - 1:], ys
+
+    def figure(name, keys, k=smooth, samples=False, logy=False):
+        keys = [key for key in keys if any(len(seed_curve(rs, key, 1)[0]) for rs in by_arm.values())]
+        if not keys:
+            return []
+        fig, axes = plt.subplots(len(keys), len(groups), figsize=(6 * len(groups), 3.3 * len(keys)), squeeze=False)
+        for i, key in enumerate(keys):
+            for j, (gname, arms) in enumerate(groups.items()):
+                ax = axes[i][j]
+                for a in arms:
+                    x, ys = seed_curve(by_arm[a], key, k)
+                    if len(x):
+                        x = x * by_arm[a][0]["rollout_batch"] if samples else x
+                        ax.plot(x, ys[0], color=color[a], label=f"{a} (n={len(by_arm[a])})", marker="." if len(x) < 12 else None)
+                        ax.fill_between(x, ys[1], ys[2], color=color[a], alpha=0.15)
+                ax.set(title=f"{task}: {key} ({gname})" + (f", {k}-step moving mean" if k > 1 else ""),
+                       xlabel="samples seen (critic pretraining not counted)" if samples else "step", yscale="log" if logy else "linear")
+                ax.grid(alpha=0.3)
+                if ax.lines:
+                    ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"{task}_{name}.png"), dpi=80)
+        plt.close(fig)
+        return [f"{task}_{name}.png"]
+
+    files = figure("accuracy", ["eval/greedy_acc", "eval/sampled_acc"], 1, samples=True) + figure("k3", ["mismatch/k3"], logy=True)
+    files += figure("masked", ["mismatch/masked_frac_low", "mismatch/masked_frac_high"]) + figure("grad_norm", ["ppo/grad_norm"])
+    files += figure("entropy", ["ppo/entropy"]) + figure("ev", ["critic/explained_variance"])
+    files += figure("identical_reward_groups", ["grpo/identical_reward_frac"])
+    labels = sorted({k for rs in by_arm.values() for r in rs for row in r["rows"] for k in row if k.startswith("critic/ev_pos_")},
+                    key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
+    if labels:  # per-position EV at the end: mean over the last 20% of steps per run, then over seeds
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for a, rs in by_arm.items():
+            end = [[row.get(k) for r in rs for row in r["rows"] if row["step"] > 0.8 * r["steps"] and finite(row.get(k))] for k in labels]
+            if any(end):
+                ax.plot(range(len(labels)), [np.mean(v) if v else np.nan for v in end], marker="o", color=color[a], label=a)
+        ax.set_xticks(range(len(labels)), [k.removeprefix("critic/ev_pos_") for k in labels], fontsize=7)
+        ax.set(title=f"{task}: explained variance per response position (last 20% of steps)", xlabel="response position", ylabel="EV")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"{task}_ev_per_position.png"), dpi=80)
+        plt.close(fig)
+        files.append(f"{task}_ev_per_position.png")
+    return files
+
+
+def report(name, g, runs, meta, md_path, asset_dir, quick):
+    ci = lambda c: "-" if c[2] == 0 else f"{c[0]:.1f}" if c[2] < 2 else f"{c[0]:.1f} ± {c[1]:.1f}"  # noqa: E731
+    fmt = lambda x, spec: "-" if x != x else format(x, spec)  # noqa: E731
+    out = [f"# Lab grid `{name}`" + (" (quick smoke variant: not evidence)" if quick else ""), "", "## Pre-registered hypothesis", "",
+           g["hypothesis"], "", "## Decision rule", "", g["decision_rule"], "", "## How it was run", "", "```", *meta.get("commands", []), "```", "",
+           f"Each run: `python train_ppo.py --out-dir <runs-dir>/{name}/<task>/<arm>/seed<k> --seed <k> --task <task> --steps <steps> <base> <arm flags>`;"
+           f" steps {g['steps']}, seeds {g['seeds']}, tasks {g['tasks']}.", "", f"Base flags: `{shlex.join(g['base'])}`", "",
+           "| arm | flags | seeds finished (all tasks) |", "|---|---|---|"]
+    out += [f"| {a} | `{shlex.join(f)}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |" for a, f in g["arms"].items()]
+    n_eval = sorted({r["eval_n"] for r in runs if r.get("eval_n")})
+    out += ["", f"Held-out problems per evaluation (from the run logs): {', '.join(map(str, n_eval)) or 'unknown'}. Accuracies in points: "
+            "seed mean ± half-width of the 95% t-interval; best = max over the evaluations after step 0. k3: mean over the first / last 20% "
+            "of steps; masked fractions: mean over all steps; EV: mean critic explained variance over steps 51-80; pretrain: critic "
+            "pretraining steps (seed mean), whose rollouts are not counted in the samples seen."]
+    for old in [f for f in os.listdir(asset_dir) if f.endswith(".png")]:  # no stale plots of arms or tasks since removed
+        os.remove(os.path.join(asset_dir, old))
+    cols, stats = ["final_greedy", "best_greedy", "final_sampled", "k3_first", "k3_last", "masked_low", "masked_high", "ev_51_80", "pretrain"], {}
+    for task in g["tasks"]:
+        out += ["", f"## {task}", "", "| arm | seeds | final greedy | best greedy | final sampled | k3 first 20% | k3 last 20% | masked low "
+                "| masked high | EV 51-80 | pretrain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for a in g["arms"]:
+            per = [run_stats(r) for r in runs if r["task"] == task and r["arm"] == a]
+            c = {k: ci95([p[k] for p in per]) for k in cols}
+            if per:
+                stats.setdefault(task, {})[a] = c
+            out.append(f"| {a} | {len(per)} | {ci(c['final_greedy'])} | {ci(c['best_greedy'])} | {ci(c['final_sampled'])} | {fmt(c['k3_first'][0], '.2e')} "
+                       f"| {fmt(c['k3_last'][0], '.2e')} | {fmt(c['masked_low'][0], '.3%')} | {fmt(c['masked_high'][0], '.3%')} "
+                       f"| {fmt(c['ev_51_80'][0], '.2f')} | {fmt(c['pretrain'][0], '.0f')} |")
+        if task in stats:
+            rel = os.path.relpath(asset_dir, os.path.dirname(md_path))
+            out += [""] + [f"![{f}]({rel}/{f})" for f in plots(g, runs, task, asset_dir)]
+    out += ["", "## Verdict (computed mechanically from the decision rule)", "", *VERDICTS[name](stats)]
+    if meta.get("failed"):
+        out += ["", "## Failed runs", ""] + [f"- `{k}`, log ends:\n\n```\n{v}\n```" for k, v in meta["failed"].items()]
+    with open(md_path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("grid", choices=sorted(GRIDS))
+    p.add_argument("--quick", action="store_true", help="smoke variant: 2 seeds, addition, 2 arms, 4 steps; report under the runs dir")
+    p.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: one per core)")
+    p.add_argument("--runs-dir", default="lab_runs")
+    p.add_argument("--only-report", action="store_true", help="train nothing: report from the run folders and the compact metrics file")
+    p.add_argument("--arms", help="comma-separated arm labels, or 'core'")
+    p.add_argument("--tasks", help="comma-separated tasks")
+    p.add_argument("--seeds", help="comma-separated seeds")
+    args = p.parse_args()
+    g = grid_spec(args.grid, args.quick)
+    root = os.path.abspath(os.path.join(args.runs_dir, args.grid + ("-quick" if args.quick else "")))
+    md_path, asset_dir = (f"{root}/report.md", f"{root}/report") if args.quick else (f"{REPO}/docs/lab/{args.grid}.md", f"{REPO}/docs/lab/{args.grid}")
+    compact = os.path.join(asset_dir, "metrics.jsonl.gz")
+    meta, stored = load_compact(compact)
+    if not args.only_report:
+        arms = g["core"] if args.arms == "core" else args.arms.split(",") if args.arms else list(g["arms"])
+        tasks = args.tasks.split(",") if args.tasks else g["tasks"]
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else g["seeds"]
+        if bad := [x for x in arms if x not in g["arms"]] + [t for t in tasks if t not in g["tasks"]] + [s for s in seeds if s not in g["seeds"]]:
+            sys.exit(f"not in this grid: {bad}; arms {list(g['arms'])}, tasks {g['tasks']}, seeds {g['seeds']}")
+        os.makedirs(root, exist_ok=True)
+        if not os.path.exists(ignore := os.path.join(os.path.dirname(root), ".gitignore")):
+            with open(ignore, "w") as f:
+                f.write("*\n")  # run folders (checkpoints) are never committed; the report and its compact metrics are
+        command = shlex.join(["python", "bench/lab.py", *sys.argv[1:]])
+        meta["commands"] = [c for c in meta.get("commands", []) if c != command] + [command]
+        # Core arms first; within a phase, every arm of a seed before the next seed, so a partial grid stays balanced.
+        core = [a for a in g["core"] if a in arms]
+        todo = [(t, a, s) for phase in (core, [a for a in arms if a not in core]) for t in tasks for s in seeds for a in phase]
+        failed = run_all(g, root, todo, args.jobs)
+        old = {k: v for k, v in meta.get("failed", {}).items() if not finished(f"{root}/{k}", steps_of(g, k.split("/")[0]))}
+        meta["failed"] = {**old, **failed}
+    # Finished run folders win; runs only in the compact file (e.g. committed from another machine) are kept.
+    local = collect(g, root) if os.path.isdir(root) else []
+    have = {(r["task"], r["arm"], r["seed"]) for r in local}
+    runs = local + [r for r in stored if (r["task"], r["arm"], r["seed"]) not in have and r["arm"] in g["arms"] and r["task"] in g["tasks"]
+                    and r["seed"] in g["seeds"] and r["steps"] == steps_of(g, r["task"])]
+    if not runs:
+        sys.exit(f"nothing to report: no finished runs under {root} and none in {compact}")
+    os.makedirs(asset_dir, exist_ok=True)
+    if local:
+        save_compact(compact, meta, runs)
+    report(args.grid, g, runs, meta, md_path, asset_dir, args.quick)
+    print(f"report: {md_path} ({len(runs)} finished runs; compact metrics {compact})", flush=True)
+    if not args.only_report and failed:
+        sys.exit(f"{len(failed)} run(s) failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

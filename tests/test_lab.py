@@ -1,0 +1,106 @@
+"""bench/lab.py: the quick variants of both grids run end to end (subprocess, --jobs 2) and write a report with the
+pre-registered texts, one table row per arm over 2 seeds and the plots; a second invocation skips finished runs;
+--only-report rebuilds the same report from the compact metrics file alone. Plus the interval and comparison helpers."""
+
+import importlib.util
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+spec = importlib.util.spec_from_file_location("lab", os.path.join(REPO, "bench", "lab.py"))
+lab = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lab)
+
+
+def run_lab(*args):
+    out = subprocess.run([sys.executable, "bench/lab.py", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both quick grids, run once into one runs dir; returns (runs dir, {grid: stdout})."""
+    d = tmp_path_factory.mktemp("lab_runs")
+    return d, {grid: run_lab(grid, "--quick", "--jobs", "2", "--runs-dir", str(d)) for grid in ("mismatch", "horizon")}
+
+
+def test_ci95_hand_case():
+    mean, hw, n = lab.ci95([1.0, 2.0, 3.0])  # sd 1, t_{0.975, 2} = 4.303
+    assert (mean, n) == (2.0, 3) and hw == pytest.approx(4.303 / math.sqrt(3), abs=1e-4) and hw == pytest.approx(2.484, abs=1e-3)
+    assert lab.ci95([5.0])[0] == 5.0 and math.isnan(lab.ci95([5.0])[1])
+    assert lab.ci95([float("nan"), 1.0, 3.0])[2] == 2  # NaN values are dropped
+    assert lab.ci95([1.0, 2.0, 3.0] * 20)[1] == pytest.approx(2.001 * math.sqrt(40 / 59) / math.sqrt(60), rel=2e-3)  # beyond the table
+
+
+def test_compare_needs_both_margin_and_separate_intervals():
+    assert lab.compare((60, 2, 5), (50, 2, 5)) == 1 and lab.compare((50, 2, 5), (60, 2, 5)) == -1
+    assert lab.compare((60, 4, 5), (54, 4, 5)) == 0  # 6 points apart but the intervals overlap
+    assert lab.compare((53, 0.5, 5), (50, 0.5, 5)) == 0  # separate intervals but under 5 points
+    assert lab.compare((60, 1, 1), (50, 1, 5)) is None and lab.compare(None, (50, 1, 5)) is None
+    stats = {"addition": {"ppo-bf16-none": {"final_sampled": (70, 1, 5)}, "ppo-int4-none": {"final_sampled": (60, 1, 5)},
+                          "ppo-int4-icepop": {"final_sampled": (69, 1, 5)}}}
+    text = "\n".join(lab.verdict_mismatch(stats))
+    assert "DEGRADED int4-none" in text and "int4-icepop HELPS over int4-none" in text and "hypothesis supported" in text
+    assert "Null result" in "\n".join(lab.verdict_mismatch({"addition": {"ppo-bf16-none": {"final_sampled": (70, 1, 5)}}}))
+
+
+def test_a_failed_run_is_reported_with_its_log_and_does_not_stop_the_others(tmp_path, capsys, monkeypatch):
+    fake = tmp_path / "fake_train.py"  # stands in for train_ppo.py: fails on seed 0, finishes on seed 1
+    fake.write_text("import json, os, sys\na = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
+                    "if a['--seed'] == '0': sys.exit(print('boom: ' + a['--task']) or 3)\n"
+                    "open(os.path.join(a['--out-dir'], 'metrics.jsonl'), 'w').write(json.dumps({'step': 2, 'eval/greedy_acc': 0.5}) + '\\n')\n")
+    monkeypatch.setattr(lab, "TRAIN", str(fake))
+    g = {"steps": 2, "base": [], "arms": {"a": [], "b": []}}
+    jobs = [("addition", "a", 0), ("addition", "b", 0), ("addition", "a", 1), ("sort", "b", 1)]
+    failed = lab.run_all(g, str(tmp_path / "runs"), jobs, jobs=2)
+    out = capsys.readouterr().out
+    assert sorted(failed) == ["addition/a/seed0", "addition/b/seed0"] and "boom: addition" in failed["addition/b/seed0"]
+    assert "FAILED addition/a/seed0 (exit 3)" in out and "done addition/a/seed1: final greedy acc 50.0%" in out and "done sort/b/seed1" in out
+    assert lab.finished(str(tmp_path / "runs/sort/b/seed1"), 2) and not lab.finished(str(tmp_path / "runs/addition/a/seed0"), 2)
+
+
+@pytest.mark.parametrize("grid", ["mismatch", "horizon"])
+def test_quick_report(runs, grid):
+    d, stdout = runs
+    g = lab.grid_spec(grid, quick=True)
+    report = d / f"{grid}-quick" / "report.md"
+    text = report.read_text()
+    assert g["hypothesis"] in text and g["decision_rule"] in text and "## Verdict" in text
+    assert len(re.findall(r"^\[\d/4\] done addition/", stdout[grid], re.MULTILINE)) == 4, stdout[grid]
+    for arm in g["arms"]:  # one row per arm, 2 seeds, accuracies with an interval
+        rows = [line for line in text.splitlines() if line.startswith(f"| {arm} | 2 | ")]
+        assert len(rows) == 1 and re.match(rf"\| {re.escape(arm)} \| 2 \| \d+\.\d ± \d+\.\d \| \d+\.\d ± \d+\.\d \| \d+\.\d ± \d+\.\d \|", rows[0]), text
+    images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
+    expected = ["accuracy", "k3", "masked", "grad_norm", "ev", "ev_per_position"] + (["identical_reward_groups"] if grid == "horizon" else [])
+    assert {f"report/addition_{name}.png" for name in expected} <= set(images)
+    assert all((report.parent / img).stat().st_size > 1000 for img in images)
+    assert (d / f"{grid}-quick" / "report" / "metrics.jsonl.gz").is_file() and (d / ".gitignore").read_text() == "*\n"
+
+
+def test_second_invocation_skips_finished_runs(runs):
+    d, _ = runs
+    metrics = sorted((d / "mismatch-quick").glob("addition/*/seed*/metrics.jsonl"))
+    assert len(metrics) == 4
+    before = [(p.stat().st_mtime_ns, p.read_bytes()) for p in metrics]
+    out = run_lab("mismatch", "--quick", "--jobs", "2", "--runs-dir", str(d))
+    assert out.count("skip addition/") == 4 and "] done " not in out, out
+    assert [(p.stat().st_mtime_ns, p.read_bytes()) for p in metrics] == before
+
+
+def test_only_report_rebuilds_from_the_compact_file_alone(runs, tmp_path):
+    d, _ = runs
+    shutil.copytree(d / "mismatch-quick" / "report", tmp_path / "mismatch-quick" / "report", ignore=shutil.ignore_patterns("*.png"))
+    assert sorted(os.listdir(tmp_path / "mismatch-quick")) == ["report"]  # no run folders
+    out = run_lab("mismatch", "--quick", "--only-report", "--runs-dir", str(tmp_path))
+    assert "4 finished runs" in out, out
+    rebuilt = (tmp_path / "mismatch-quick" / "report.md").read_text()
+    assert rebuilt == (d / "mismatch-quick" / "report.md").read_text()
+    assert (tmp_path / "mismatch-quick" / "report" / "addition_accuracy.png").is_file()
