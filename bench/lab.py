@@ -442,7 +442,11 @@ def main():
         # Core arms first; within a phase, every arm of a seed before the next seed, so a partial grid stays balanced.
         core = [a for a in g["core"] if a in arms]
         todo = [(t, a, s) for phase in (core, [a for a in arms if a not in core]) for t in tasks for s in seeds for a in phase]
-        failed = run_all(g, root, todo, args.jobs)
+        try:
+            failed = run_all(g, root, todo, args.jobs)
+        except KeyboardInterrupt:  # the runs this process started were stopped (they resume next time); report the finished ones
+            print("interrupted: writing the report of the finished runs", flush=True)
+            failed = {}
         old = {k: v for k, v in meta.get("failed", {}).items() if not finished(f"{root}/{k}", steps_of(g, k.split("/")[0]))}
         meta["failed"] = {**old, **failed}
     # Finished run folders win; runs only in the compact file (e.g. committed from another machine) are kept.

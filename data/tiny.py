@@ -2,10 +2,11 @@
 
 `default_model()` returns a folder that `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained`
 load like any Hugging Face checkpoint. It is built on first use (random init, then a short
-supervised warm-up on addition so RL starts from a policy that is right some of the time) and
-cached under .cache/. About 1.5 minutes on one CPU core.
+supervised warm-up on the task so RL starts from a policy that is right some of the time) and
+cached under .cache/, one model per built-in task. A few minutes on one CPU core.
 
-    python -m data.tiny            # build (once) and print the path
+    python -m data.tiny            # build the addition model (once) and print the path
+    python -m data.tiny sort       # the sort model
 """
 
 import hashlib
