@@ -10,7 +10,7 @@ right-padded, with a bool ``mask`` of the same shape that is True on real respon
 
 Functions that produce diagnostics return ``(value, metrics)``; metrics are detached 0-d tensors under
 namespaced keys, local to the tensors passed in (the trainer reduces them across ranks once per step).
-The formulas and the conventions pinned by the project are in shared/ALGORITHMS.md.
+Each function's docstring states its formula, shapes, denominator and source.
 
     >>> from losses import ppo_policy_loss, icepop_weights   # in a notebook, with only torch installed
 """
@@ -283,7 +283,7 @@ def geo_seq_mask(
 def mismatch_metrics(
     old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0
 ) -> dict[str, Tensor]:
-    """Train-inference mismatch diagnostics (shared/ALGORITHMS.md, "Metrics every run logs").
+    """Train-inference mismatch diagnostics (logged by every run, whatever the correction).
 
     k = pi_old / pi_infer on tokens sampled from pi_infer: mismatch/k1 = mean(infer_logp - old_logp)
     and mismatch/k3 = mean(k - 1 - log k) both estimate KL(pi_infer || pi_old); mean and max
@@ -328,7 +328,7 @@ def loss_denominator(mask: Tensor, agg: str, max_len: int | None = None) -> Tens
 
 
 def aggregate(loss_tok: Tensor, mask: Tensor, agg: str = "token-mean", num_tokens: Tensor | float | None = None) -> Tensor:
-    """Reduce a [B, T] per-token loss to a scalar (shared/ALGORITHMS.md, "Loss aggregation").
+    """Reduce a [B, T] per-token loss to a scalar.
 
     token-mean: sum(m l) / N_tokens. seq-mean-token-mean: sum over sequences of each sequence's token
     mean / N_seqs. seq-mean-token-sum-norm: sum(m l) / (B * L_max). ``num_tokens`` overrides the

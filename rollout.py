@@ -22,10 +22,8 @@ KV cache) over copies of the weights of a Hugging Face Llama / Qwen2 / Qwen3 cau
 builders or cache objects per step, q/k/v and gate/up as one matmul each, one prefill per prompt
 shared by its n samples. bench/bench_rollout.py measures it against HF `generate`.
 
-Its precision knobs reproduce the rollout-side mismatch of real quantised engines against an fp32 trainer:
-`dtype` "bf16", "fp8" (per-channel fp8 weights) or "int4" (symmetric int4 weights in groups of 32,
-fake_quant_int4), all with bf16 compute, and `kv_cache_dtype="fp8"` (a float8_e4m3fn KV cache, scale 1.0).
-bench/bench_mismatch.py measures what each costs in KL and in IcePop-masked tokens.
+Its precision knobs (`dtype` bf16 / fp8 / int4, `kv_cache_dtype` fp8; see the class) reproduce the
+mismatch of real quantised engines against an fp32 trainer; bench/bench_mismatch.py measures each.
 """
 
 from __future__ import annotations
@@ -272,9 +270,8 @@ class EmbeddedEngine:
         a fixed scale of 1.0, what SGLang / vLLM do when the checkpoint has no calibrated k/v scales (the
         buffer really is fp8: half the bytes of bf16). Attention always reads keys and values at the
         cache's precision, the prefill's attention over the prompt and `logits()` included, so every
-        position sees the same k/v whichever pass computed it and `logits()` equals generate's log-probs.
-        (SGLang's GPU backends attend over the fresh, unrounded k/v of the tokens a prefill computes, and
-        read fp8 only for cached prefixes and decode steps: they differ on the first response token.)
+        position sees the same k/v whichever pass computed it and `logits()` equals generate's log-probs
+        (SGLang's prefill differs here: see sglang_engine.py).
     max_batch_tokens: KV-cache capacity in tokens; a batch of B rows of prompt + response length S runs
         in chunks of max_batch_tokens // S rows (the draws do not depend on the chunking).
     """

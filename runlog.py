@@ -1,7 +1,7 @@
 """The run folder: metrics.jsonl (+ optional wandb / TensorBoard), PNG plots, atomic checkpoints.
 
     out_dir/config.json                 resolved config, derived sizes, git revision, package versions
-    out_dir/metrics.jsonl               one JSON line per step (every metric of shared/ALGORITHMS.md); critic
+    out_dir/metrics.jsonl               one JSON line per step (every metric of every phase); critic
                                         pretraining rows have step 0 and a pretrain/step key
     out_dir/plots/*.png                 reward & accuracy, mismatch (KL apart from masked fractions), critic,
                                         critic pretraining, time per phase

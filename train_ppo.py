@@ -50,7 +50,7 @@ SGLANG_GPU_MEM_FRACTION = 0.4
 
 @dataclass
 class Config:
-    """IcePop PPO (or GRPO) on a causal LM. Defaults: shared/ALGORITHMS.md, "Project defaults"."""
+    """IcePop PPO (or GRPO) on a causal LM; each field's default is the project's (README, "The recipe")."""
 
     # run
     model: str = ""
@@ -446,6 +446,8 @@ def main(cfg: Config) -> list[dict]:
     pre = 0 if critic is not None and ckpt is None and cfg.critic_pretrain > 0 else None
     init_head = critic is not None and ckpt is None  # a fresh value head starts at the mean reward
     evs: list[float] = []
+    save = lambda at: save_checkpoint(cfg.out_dir, at, rt.rank, rt.world_size, cfg.keep_checkpoints, policy=policy, critic=critic,  # noqa: E731
+                                      tokenizer=tok, optimizers=opts, extra={"bad_steps": bad_steps, "tp": cfg.tp})
     bar = tqdm(total=cfg.steps, initial=start, disable=rt.rank != 0, dynamic_ncols=True)
     step = start
     while step < cfg.steps:
@@ -606,14 +608,13 @@ def main(cfg: Config) -> list[dict]:
             plateau = ev_plateaued(evs)
             row["pretrain/done"] = float(plateau or pre == cfg.critic_pretrain)
             log.log(row)
+            ev_window = _finite_mean(evs[-PLATEAU_WINDOW:])
             if rt.rank == 0 and (pre % 10 == 0 or row["pretrain/done"]):
-                tqdm.write(f"critic pretraining {pre:3d} | vloss {row['critic/value_loss']:.4f} | ev {row['critic/explained_variance']:.2f}"
-                           f" | ev last {PLATEAU_WINDOW} {_finite_mean(evs[-PLATEAU_WINDOW:]):.3f}")
+                tqdm.write(f"critic pretraining {pre:3d} | vloss {row['critic/value_loss']:.4f} | ev {evs[-1]:.2f} | ev last {PLATEAU_WINDOW} {ev_window:.3f}")
             if row["pretrain/done"]:
                 print0(f"critic pretraining stopped after {pre} steps ({'plateau' if plateau else 'step cap --critic-pretrain'}): "
-                       f"mean explained variance of the last {PLATEAU_WINDOW} steps {_finite_mean(evs[-PLATEAU_WINDOW:]):.3f}")
-                save_checkpoint(cfg.out_dir, 0, rt.rank, rt.world_size, cfg.keep_checkpoints, policy=policy, critic=critic, tokenizer=tok,
-                                optimizers=opts, extra={"bad_steps": bad_steps, "tp": cfg.tp})
+                       f"mean explained variance of the last {PLATEAU_WINDOW} steps {ev_window:.3f}")
+                save(0)
                 pre = None
             continue
         row = {"step": step + 1, **reduce_metrics(m)}
@@ -635,8 +636,7 @@ def main(cfg: Config) -> list[dict]:
         if "eval/greedy_acc" in row or last:
             log.plot()
         if (step + 1) % cfg.save_every == 0 or last:
-            save_checkpoint(cfg.out_dir, step + 1, rt.rank, rt.world_size, cfg.keep_checkpoints, policy=policy, critic=critic, tokenizer=tok,
-                            optimizers=opts, extra={"bad_steps": bad_steps, "tp": cfg.tp})
+            save(step + 1)
         step += 1
     bar.close()
     if rt.rank == 0 and log.history:
