@@ -124,14 +124,16 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked elements (unbiased var); masked-out entries become 0."""
+    """(x - mean) / sqrt(var + eps) over the masked elements (unbiased var); masked-out entries become 0.
+    Computed in float64 (squares of large values overflow float32), returned in x's dtype."""
+    dtype, x = x.dtype, x.double()
     mean = masked_mean(x, mask)
     n = mask.sum()
     var = ((x - mean) ** 2 * mask).sum() / (n - 1).clamp_min(1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * mask
+    return (out * mask).to(dtype)
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -14,7 +14,10 @@ global token count, then ``all_reduce_grads`` sums the gradients.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -58,6 +61,8 @@ def init_runtime() -> Runtime:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         return Runtime(rank=0, world_size=1, local_rank=0, device=device, distributed=False)
     rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if sys.platform == "linux":  # die with the torchrun agent: a kill -9 of it must not leave workers writing into the run
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         # Before init_process_group, so NCCL binds each rank to its own GPU rather than all to cuda:0.

@@ -1,6 +1,8 @@
 """The run folder: metrics.jsonl (+ optional wandb / TensorBoard), PNG plots, atomic checkpoints.
 
-    out_dir/config.json                 resolved config, derived sizes, git revision, package versions
+    out_dir/.lock                       held by the live run (a second run into the folder is refused)
+    out_dir/config.json                 resolved config, derived sizes, git revision, package versions, and
+                                        the options each resume changed ("resumes")
     out_dir/metrics.jsonl               one JSON line per step (every metric of every phase); critic
                                         pretraining rows have step 0 and a pretrain/step key
     out_dir/plots/*.png                 reward & accuracy, mismatch (KL apart from masked fractions), critic,
@@ -8,18 +10,22 @@
     out_dir/checkpoints/step_000050/    policy/ and critic/ (HF folders), trainer_rank{r}.pt, meta.json
 
 A checkpoint is written into a hidden temp folder, its meta.json last, and renamed into place: a
-step_* folder with a meta.json is complete, and resume takes the newest one, so a kill at any moment
-leaves the previous checkpoint usable.
+step_* folder with a meta.json is complete, and resume takes the newest one whose files check out
+(checkpoint_problem), so a kill at any moment leaves the previous checkpoint usable, and a damaged
+newest checkpoint (a full disk, a copy cut short) falls back to the one before, with a note.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
+import zipfile
 
 import torch
 import torch.distributed as dist
@@ -44,18 +50,25 @@ def _atomic_write(path: str, text: str) -> None:
 class RunLog:
     """Rank 0 writes; other ranks' calls are no-ops. ``history`` holds every logged row (for the plots)."""
 
-    def __init__(self, out_dir: str, rank: int, config: dict, resume_step: int, wandb: bool = False, tensorboard: bool = False):
+    def __init__(self, out_dir: str, rank: int, config: dict, resume_step: int, wandb: bool = False, tensorboard: bool = False,
+                 changes: dict | None = None):
+        """changes: the options a resume changed, {name: [old, new]}; config.json keeps a list of them ("resumes")."""
         self.dir, self.rank, self.history = out_dir, rank, []
         self.writers = []
         if rank != 0:
             return
         os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
-        meta = {"config": config, "git": _git_revision(), "argv": sys.argv, "versions": _versions()}
+        resumes = []
+        if resume_step >= 0 and os.path.isfile(os.path.join(out_dir, "config.json")):
+            with open(os.path.join(out_dir, "config.json")) as f:
+                resumes = json.load(f).get("resumes", [])
+        if changes:
+            resumes.append({"step": resume_step, "changed": changes})
+        meta = {"config": config, "resumes": resumes, "git": _git_revision(), "argv": sys.argv, "versions": _versions()}
         _atomic_write(os.path.join(out_dir, "config.json"), json.dumps(meta, indent=1))
         path = os.path.join(out_dir, "metrics.jsonl")
         if os.path.exists(path):  # keep what the checkpoint we resume from had seen; drop what came after it
-            with open(path) as f:
-                self.history = [row for row in map(json.loads, f) if row["step"] <= resume_step]
+            self.history = [row for row in _read_metrics(path) if row["step"] <= resume_step]
         _atomic_write(path, "".join(json.dumps(row) + "\n" for row in self.history))
         if wandb:
             import wandb as wb
@@ -118,6 +131,22 @@ class RunLog:
             plt.close(fig)
 
 
+def _read_metrics(path: str) -> list[dict]:
+    """The rows of metrics.jsonl. A torn last line (a kill while it was written) is dropped with a note; a bad
+    line elsewhere is an error naming the file and the line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    rows = []
+    for i, line in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i < len(lines):
+                raise ValueError(f"{path}: line {i} is not valid JSON ({e}); repair or remove it to resume") from None
+            print(f"note: {path}: dropped a torn last line (line {i}, written when the run was killed)", flush=True)
+    return rows
+
+
 def _git_revision() -> str:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -130,7 +159,7 @@ def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for pkg in ("torch", "transformers", "datasets", "accelerate", "sglang"):
+    for pkg in ("torch", "transformers", "datasets", "sglang"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -141,11 +170,81 @@ def _versions() -> dict:
 # ----------------------------------------------------------------------------- checkpoints
 
 
+def safetensors_problem(folder: str) -> str | None:
+    """Why a *.safetensors file in a model folder is unusable (truncated, unreadable header), or None.
+    Reads only the headers: the data must end exactly where the header's last tensor does."""
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            need = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, OSError) as e:
+            return f"{path} has an unreadable header ({type(e).__name__}: {e})"
+        if os.path.getsize(path) != need:
+            return f"{path} is truncated or damaged: {os.path.getsize(path)} bytes where its header needs {need}"
+    return None
+
+
+def checkpoint_problem(ckpt: str) -> str | None:
+    """Why a checkpoint folder cannot be resumed from (missing or damaged files), or None."""
+    try:
+        with open(os.path.join(ckpt, "meta.json")) as f:
+            world_size = json.load(f)["world_size"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"meta.json is unreadable ({type(e).__name__}: {e})"
+    for model in ("policy", "critic"):
+        folder = os.path.join(ckpt, model)
+        if model == "policy" and not os.path.isfile(os.path.join(folder, "model.safetensors")):
+            return "policy/model.safetensors is missing"
+        if os.path.isdir(folder) and (bad := safetensors_problem(folder)):
+            return bad
+    for r in range(world_size):
+        path = os.path.join(ckpt, f"trainer_rank{r}.pt")
+        try:
+            with zipfile.ZipFile(path) as z:  # torch.save writes a zip archive; testzip checks every CRC
+                if z.testzip() is not None:
+                    return f"{path} is damaged (CRC mismatch)"
+        except (OSError, zipfile.BadZipFile) as e:
+            return f"{path} is missing or damaged ({type(e).__name__}: {e})"
+    return None
+
+
 def latest_checkpoint(out_dir: str) -> str | None:
-    """The newest complete checkpoint (a step_* folder holding meta.json), or None."""
+    """The newest intact checkpoint (a step_* folder with meta.json whose files check out), or None if there is
+    none. A damaged newer one is skipped with a printed note; if every checkpoint is damaged, an error (starting
+    afresh would silently discard the run)."""
     root = os.path.join(out_dir, "checkpoints")
     done = sorted(d for d in os.listdir(root) if d.startswith("step_") and os.path.isfile(os.path.join(root, d, "meta.json"))) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
+    damaged = []
+    for name in reversed(done):
+        bad = checkpoint_problem(os.path.join(root, name))
+        if bad is None:
+            if damaged:
+                print(f"note: resuming from {name}, the newest intact checkpoint; skipped damaged " + "; ".join(damaged), flush=True)
+            return os.path.join(root, name)
+        damaged.append(f"{name} ({bad})")
+    if damaged:
+        raise RuntimeError(f"every checkpoint in {root} is damaged: " + "; ".join(damaged) + "; remove them to start afresh")
+    return None
+
+
+def lock_run_dir(out_dir: str):
+    """Hold an exclusive lock on the run folder while this process lives (the OS drops it on any exit, kill -9
+    included); a second live run into the same folder is refused. Returns the open lock file: keep it."""
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise RuntimeError(f"--out-dir {out_dir} is in use by a live run ({f.read().strip() or 'unknown process'}); "
+                           "wait for it or stop it, or choose another --out-dir") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
 
 
 def _save_hf(model, path: str, rank: int, tokenizer=None) -> None:
@@ -211,11 +310,8 @@ def save_checkpoint(out_dir: str, step: int, rank: int, world_size: int, keep: i
 
 
 def load_trainer_state(ckpt: str, rank: int, world_size: int, optimizers: dict) -> dict:
-    """Restore this rank's optimizer and RNG states; returns the saved dict (step and extras)."""
-    with open(os.path.join(ckpt, "meta.json")) as f:
-        meta = json.load(f)
-    if meta["world_size"] != world_size:
-        raise ValueError(f"checkpoint {ckpt} was written by {meta['world_size']} processes, this run has {world_size}; resume with the same launch")
+    """Restore this rank's optimizer and RNG states; returns the saved dict (step and extras). The caller has
+    checked that the launch matches (train_ppo.check_resume)."""
     state = torch.load(os.path.join(ckpt, f"trainer_rank{rank}.pt"), weights_only=False)
     for k, opt in optimizers.items():
         _load_optimizer_state(opt, state["optimizers"][k])

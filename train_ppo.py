@@ -24,23 +24,26 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import losses as L
-from data.tasks import encode_prompt, get_task, score
+from data.tasks import check_lengths, encode_prompt, get_task, score
 from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
-from rollout import EmbeddedEngine, Sampling
-from runlog import RunLog, latest_checkpoint, load_trainer_state, save_checkpoint
+from rollout import SUPPORTED_MODEL_TYPES, EmbeddedEngine, Sampling
+from runlog import RunLog, latest_checkpoint, load_trainer_state, lock_run_dir, safetensors_problem, save_checkpoint
 from value_model import build_critic, critic_values, load_critic
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -194,11 +197,31 @@ def resolve(cfg: Config, world_size: int) -> dict:
         errors.append(f"the IcePop band must satisfy 0 < low < 1 < high, got [{cfg.icepop_low}, {cfg.icepop_high}]")
     if cfg.critic_pretrain < 0:
         errors.append(f"--critic-pretrain must be >= 0 (0 = off), got {cfg.critic_pretrain}")
-    for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps"):
+    for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_size"):
         if getattr(cfg, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.lr <= 0 or cfg.critic_lr < 0:
-        errors.append("learning rates must be positive")
+    if not 0 < cfg.clip_low < 1 or not 0 < cfg.clip_high:
+        errors.append(f"--clip-low must be in (0, 1) and --clip-high > 0, got {cfg.clip_low} and {cfg.clip_high}")
+    ranges = {"lr": (cfg.lr, cfg.lr > 0, "> 0"), "critic-lr": (cfg.critic_lr, cfg.critic_lr >= 0, ">= 0 (0 = 5 x --lr)"),
+              "max-grad-norm": (cfg.max_grad_norm, cfg.max_grad_norm > 0, "> 0 (0 would zero every update)"), "gamma": (cfg.gamma, 0 < cfg.gamma <= 1, "in (0, 1]"), "lam-policy": (cfg.lam_policy, 0 <= cfg.lam_policy <= 1, "in [0, 1]"),
+              "lam-critic": (cfg.lam_critic, 0 <= cfg.lam_critic <= 1, "in [0, 1]"), "adaptive-lambda": (cfg.adaptive_lambda, cfg.adaptive_lambda >= 0, ">= 0"),
+              "kl-coef": (cfg.kl_coef, cfg.kl_coef >= 0, ">= 0"), "tis-cap": (cfg.tis_cap, cfg.tis_cap > 0, "> 0"),
+              "value-clip": (cfg.value_clip, cfg.value_clip >= 0, ">= 0 (0 = off)"), "value-scale": (cfg.value_scale, cfg.value_scale > 0, "> 0")}
+    errors += [f"--{flag} must be a finite number {want}, got {v}" for flag, (v, ok, want) in ranges.items() if not (ok and math.isfinite(v))]
+    if cfg.n_samples < 0 or cfg.max_new_tokens < 0:
+        errors.append(f"--n-samples and --max-new-tokens must be >= 0 (0 = the default), got {cfg.n_samples} and {cfg.max_new_tokens}")
+    try:  # the sampling values the engines check, here before any work, named by their flags
+        Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or 1, (), max(n, 1), cfg.seed)
+    except ValueError as e:
+        errors.append(re.sub(r"Sampling\.(\w+)", lambda x: "--" + x.group(1).replace("_", "-"), str(e)))
+    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
+        errors.append(f"--out-dir {cfg.out_dir!r} exists and is not a folder")
+    else:
+        parent = cfg.out_dir
+        while not os.path.exists(parent):
+            parent = os.path.dirname(os.path.abspath(parent))
+        if not os.access(parent, os.W_OK | os.X_OK):
+            errors.append(f"--out-dir {cfg.out_dir!r}: {parent!r} is not writable")
     if cfg.model and not os.path.isfile(os.path.join(cfg.model, "config.json")):
         errors.append(f"--model {cfg.model!r} is not a Hugging Face model folder (no config.json); hub names must be downloaded first")
     if cfg.engine == "sglang":
@@ -217,7 +240,62 @@ def resolve(cfg: Config, world_size: int) -> dict:
             errors.append(f"--{flag} needs the {module} package: pip install {module}")
     if errors:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
-    return {"dp": dp, "n": n, "rows": rows, "prompts": rows // n, "critic_lr": cfg.critic_lr or 5 * cfg.lr}
+    return {"dp": dp, "n": n, "rows": rows, "prompts": rows // n, "critic_lr_used": cfg.critic_lr or 5 * cfg.lr}
+
+
+# What a resume may change: options that do not change what the run means (its length, evaluation, logging,
+# checkpointing) and the learning rates, applied for real to the optimisers (to resume after a blow-up).
+RESUMABLE = ("steps", "eval_every", "eval_size", "eval_dtype", "save_every", "keep_checkpoints", "wandb", "tensorboard",
+             "lr", "critic_lr", "max_bad_steps", "deterministic")
+
+
+def check_resume(cfg: Config, ckpt: str, world_size: int) -> dict:
+    """Compare this run's options with those recorded in the run folder; refuse, naming them, the changes a
+    resume cannot honour; return the accepted ones as {name: [old, new]}."""
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        meta = json.load(f)
+    if meta["world_size"] != world_size:
+        raise ValueError(f"checkpoint {ckpt} was written by {meta['world_size']} processes, this run has {world_size}; resume with the same launch")
+    path = os.path.join(cfg.out_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing, so a resume cannot check that its options match the run's; restore it or use a new --out-dir")
+    with open(path) as f:
+        recorded = json.load(f)["config"]
+    changed = {k: [recorded[k], v] for k, v in asdict(cfg).items() if k in recorded and recorded[k] != v}
+    refused = [f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items() if k not in RESUMABLE]
+    if cfg.steps < meta["step"]:
+        refused.append(f"--steps {cfg.steps} is below the checkpoint's step {meta['step']}")
+    if refused:
+        raise ValueError(f"--out-dir {cfg.out_dir} holds a run (checkpoint at step {meta['step']}) that this resume would change: "
+                         + "; ".join(refused) + f". Resume with the recorded options, or use a new --out-dir. A resume may change only "
+                         + ", ".join("--" + k.replace("_", "-") for k in RESUMABLE))
+    if changed:
+        print0(f"resume: applying changed options {changed}")
+    return changed
+
+
+def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
+    """What can be checked of the model folder and the data without loading weights; returns the tokenizer."""
+    name = f"--model {path}" if cfg.model else f"the default model {path}"
+    mc = AutoConfig.from_pretrained(path)
+    if mc.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{name}: model type {mc.model_type!r} is not supported (the engine, the TP plan and the critic "
+                         f"implement {', '.join(SUPPORTED_MODEL_TYPES)})")
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+        raise ValueError(f"{name} has no tokenizer files (none of {', '.join(files)}); save one there with tokenizer.save_pretrained")
+    if bad := safetensors_problem(path):
+        raise ValueError(f"{name}: {bad}")
+    tok = AutoTokenizer.from_pretrained(path)
+    if len(tok) > mc.vocab_size:
+        raise ValueError(f"{name}: the tokenizer has {len(tok)} tokens but the model's vocabulary only {mc.vocab_size}")
+    if tok.eos_token_id is None or not tok.chat_template:
+        raise ValueError(f"{name}: the tokenizer needs an EOS token and a chat template (responses stop at EOS; prompts are chat turns)")
+    new = cfg.max_new_tokens or task.max_new_tokens
+    if new >= mc.max_position_embeddings:
+        raise ValueError(f"--max-new-tokens {new} leaves no room for a prompt in the model's context of {mc.max_position_embeddings} tokens")
+    check_lengths(task, tok, mc.max_position_embeddings, new)  # every data row, naming the file row
+    return tok
 
 
 @contextlib.contextmanager
@@ -234,8 +312,10 @@ def all_reduce(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tenso
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
-    """losses.masked_whiten over the global batch: mean and unbiased variance all-reduced over dp ranks."""
-    stats = all_reduce(torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double(), group)
+    """losses.masked_whiten over the global batch: mean and unbiased variance all-reduced over dp ranks (in
+    float64: squares of large advantages overflow float32)."""
+    x = x.double()
+    stats = all_reduce(torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]), group)
     mean = stats[0] / stats[2]
     var = (stats[1] - stats[2] * mean**2) / (stats[2] - 1).clamp_min(1)
     return ((x - mean) * torch.rsqrt(var + 1e-8)).float() * mask
@@ -285,27 +365,35 @@ def response_values(critic, b, rows):
     return critic_values(critic, b.input_ids[rows], b.attention_mask[rows], position_ids=b.position_ids[rows])[:, P - 1 : -1]
 
 
-def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, bool]:
-    """Sum gradients over dp, clip, step unless the gradient is non-finite (then skip). Same decision on all ranks:
-    the norm is of the reduced, global gradient."""
+def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, bool, bool]:
+    """Sum gradients over dp, clip, step unless the gradient is non-finite (then skip). Returns (grad norm,
+    stepped, weights finite after it). Same decisions on all ranks: the norm is of the reduced, global gradient."""
     all_reduce_grads(model, dp_group)
     norm = clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
     ok = bool(torch.isfinite(norm))
+    weights_ok = True
     if ok:
         opt.step()
+        local = torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in model.parameters()]).all()
+        weights_ok = bool(all_reduce(local.float(), op=dist.ReduceOp.MIN))  # TP ranks hold different shards
     opt.zero_grad(set_to_none=True)
-    return norm.detach(), ok
+    return norm.detach(), ok, weights_ok
 
 
-def check_finite(ok: bool, bad_steps: int, what: str, where: str, norm: torch.Tensor, cfg: Config) -> int:
-    """Count consecutive skipped (non-finite) updates; stop the run with a clear message after max_bad_steps."""
-    bad_steps = 0 if ok else bad_steps + 1
+def check_finite(ok: bool, weights_ok: bool, bad: dict[str, int], what: str, where: str, norm: torch.Tensor, cfg: Config) -> None:
+    """Count each model's consecutive skipped (non-finite) updates in bad[what]; stop the run after max_bad_steps
+    of them, or at once if an update left non-finite weights (it cannot be undone). No checkpoint is written
+    while a streak lasts, so the last one on disk predates the trouble and resumes with a new --lr."""
+    bad[what] = 0 if ok else bad[what] + 1
     if not ok:
         print(f"{where}: skipped a {what} update with a non-finite loss or gradient (norm {norm.item()})", flush=True)
-    if bad_steps >= cfg.max_bad_steps:
-        raise RuntimeError(f"{where}: {bad_steps} consecutive updates had a non-finite loss or gradient (last: {what}, "
-                           f"grad norm {norm.item()}); lower --lr, check the rewards, or resume from the last checkpoint")
-    return bad_steps
+    if weights_ok and bad[what] < cfg.max_bad_steps:
+        return
+    why = (f"the {what} update made its weights non-finite (grad norm {norm.item()})" if not weights_ok else
+           f"{bad[what]} consecutive {what} updates had a non-finite loss or gradient (last grad norm {norm.item()})")
+    last = latest_checkpoint(cfg.out_dir)
+    raise RuntimeError(f"{where}: {why}. Nothing was saved after the trouble began: lower --{'lr' if what == 'policy' else 'critic-lr'} "
+                       f"or check the rewards, and {'resume from ' + last + ' (rerun with the same --out-dir)' if last else 'start again'}")
 
 
 # Critic pretraining stops once the mean explained variance of the last PLATEAU_WINDOW steps is less than
@@ -385,6 +473,7 @@ def main(cfg: Config) -> list[dict]:
     """Run (or resume) training; returns the metrics history (rank 0; other ranks get an empty list)."""
     rt = init_runtime()
     plan = resolve(cfg, rt.world_size)
+    lock = lock_run_dir(cfg.out_dir) if rt.rank == 0 else None  # noqa: F841  (held until the process ends)
     task = get_task(cfg.task)  # a bad task or data file fails here, before any model is built
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -392,6 +481,8 @@ def main(cfg: Config) -> list[dict]:
     dp_group, tp_mesh = (mesh["dp"].get_group(), mesh["tp"]) if mesh else (None, None)
     dp_rank = mesh["dp"].get_local_rank() if mesh else 0
     is_engine_rank = tp_mesh is None or tp_mesh.get_local_rank() == 0
+    ckpt = latest_checkpoint(cfg.out_dir)
+    changes = check_resume(cfg, ckpt, rt.world_size) if ckpt else {}
     model_path = cfg.model
     if not model_path:
         from data.tiny import default_model
@@ -403,9 +494,8 @@ def main(cfg: Config) -> list[dict]:
             dist.barrier()
         model_path = default_model(os.path.join(REPO, ".cache"), task=kind)
 
-    ckpt = latest_checkpoint(cfg.out_dir)
     policy_path = os.path.join(ckpt, "policy") if ckpt else model_path
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = check_model(cfg, model_path, task)
     torch.manual_seed(cfg.seed)
     policy = parallelize(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(rt.device), tp_mesh)
     opts = {"policy": torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)}
@@ -416,22 +506,24 @@ def main(cfg: Config) -> list[dict]:
             for name, p in critic.named_parameters():
                 p.requires_grad_(".self_attn." not in name)
         critic = parallelize(critic.to(rt.device), tp_mesh)
-        opts["critic"] = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=plan["critic_lr"], weight_decay=0.0)
+        opts["critic"] = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=plan["critic_lr_used"], weight_decay=0.0)
     if cfg.kl != "none":  # the frozen initial policy, also on resume
         ref = parallelize(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(rt.device), tp_mesh).eval().requires_grad_(False)
-    start, bad_steps = 0, 0
+    start, bad = 0, {k: 0 for k in opts}  # consecutive skipped updates, per model
     if ckpt:
         state = load_trainer_state(ckpt, rt.rank, rt.world_size, opts)
-        if state["tp"] != cfg.tp:
-            raise ValueError(f"checkpoint {ckpt} was written with --tp {state['tp']}, this run has --tp {cfg.tp}")
-        start, bad_steps = state["step"], state["bad_steps"]
+        start, bad = state["step"], state["bad_steps"]
+        bad = bad if isinstance(bad, dict) else {k: bad for k in opts}  # checkpoints before per-model counts
+        for k, lr in (("policy", cfg.lr), ("critic", plan["critic_lr_used"])):  # a changed --lr / --critic-lr applies
+            for group in opts[k].param_groups if k in opts else []:
+                group["lr"] = lr
     engine = make_engine(cfg, policy_path, rt.device) if is_engine_rank else None
     eval_engine = engine
     if cfg.eval_dtype == "fp32":
         eval_engine = EmbeddedEngine(policy_path, dtype="fp32", device=rt.device) if is_engine_rank else None
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or task.max_new_tokens, (tok.eos_token_id,), plan["n"], cfg.seed)
     # A fresh run (no checkpoint) drops whatever an earlier, killed attempt logged.
-    log = RunLog(cfg.out_dir, rt.rank, {**asdict(cfg), **plan, "model_path": model_path}, start if ckpt else -1, cfg.wandb, cfg.tensorboard)
+    log = RunLog(cfg.out_dir, rt.rank, {**asdict(cfg), **plan, "model_path": model_path}, start if ckpt else -1, cfg.wandb, cfg.tensorboard, changes)
     print0(f"{'resuming at step ' + str(start) if ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
            f"world {rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}")
     if ckpt is None:
@@ -447,7 +539,8 @@ def main(cfg: Config) -> list[dict]:
     init_head = critic is not None and ckpt is None  # a fresh value head starts at the mean reward
     evs: list[float] = []
     save = lambda at: save_checkpoint(cfg.out_dir, at, rt.rank, rt.world_size, cfg.keep_checkpoints, policy=policy, critic=critic,  # noqa: E731
-                                      tokenizer=tok, optimizers=opts, extra={"bad_steps": bad_steps, "tp": cfg.tp})
+                                      tokenizer=tok, optimizers=opts, extra={"bad_steps": dict(bad), "tp": cfg.tp})
+    save_due = False
     bar = tqdm(total=cfg.steps, initial=start, disable=rt.rank != 0, dynamic_ncols=True)
     step = start
     while step < cfg.steps:
@@ -547,8 +640,8 @@ def main(cfg: Config) -> list[dict]:
                                                 scale=cfg.value_scale, agg=cfg.agg, num_tokens=denom)
                         loss.backward()
                         add(m, vm)
-                    norm, ok = optimizer_step(critic, opts["critic"], cfg, dp_group)
-                    bad_steps = check_finite(ok, bad_steps, "critic", where, norm, cfg)
+                    norm, ok, weights_ok = optimizer_step(critic, opts["critic"], cfg, dp_group)
+                    check_finite(ok, weights_ok, bad, "critic", where, norm, cfg)
                     add(m, {"critic/grad_norm": norm, "train/skipped_critic_update": float(not ok)})
             if critic is not None:  # of the values before this step's update: out of sample for this batch
                 add(m, {"critic/explained_variance": L.explained_variance(old_values, returns, mask),
@@ -577,8 +670,8 @@ def main(cfg: Config) -> list[dict]:
                         loss.backward()
                         pm["ppo/entropy"] = L.masked_mean(L.entropy_from_logits(logits.detach(), cfg.temperature), mask[r])
                         add(m, pm)
-                    norm, ok = optimizer_step(policy, opts["policy"], cfg, dp_group)
-                    bad_steps = check_finite(ok, bad_steps, "policy", where, norm, cfg)
+                    norm, ok, weights_ok = optimizer_step(policy, opts["policy"], cfg, dp_group)
+                    check_finite(ok, weights_ok, bad, "policy", where, norm, cfg)
                     add(m, {"ppo/grad_norm": norm, "train/skipped_update": float(not ok)})
 
         # 8 weight sync: wake the engine, push the new full weights bucket by bucket (every TP rank gathers)
@@ -635,8 +728,10 @@ def main(cfg: Config) -> list[dict]:
                        + f" | {row['time/step']:.2f}s")
         if "eval/greedy_acc" in row or last:
             log.plot()
-        if (step + 1) % cfg.save_every == 0 or last:
+        save_due = save_due or (step + 1) % cfg.save_every == 0
+        if last or (save_due and not any(bad.values())):  # never mid-streak of skipped updates: see check_finite
             save(step + 1)
+            save_due = False
         step += 1
     bar.close()
     if rt.rank == 0 and log.history:

@@ -29,7 +29,8 @@ class Task:
     train: datasets.Dataset
     """Columns `prompt` (str, the user message) and `answer` (str)."""
     test: datasets.Dataset
-    """Same columns as `train`, prompts disjoint from it for the generated tasks."""
+    """Same columns as `train`, prompts disjoint from it. File tasks (load_task) have a third column in both,
+    `where` (str): the row's origin for error messages, e.g. "data.jsonl: row 17 (line 18)"."""
     reward_fn: Callable[[list[str], list[str]], list[float]]
     """(completions, answers) -> one float per completion."""
     max_new_tokens: int
@@ -43,8 +44,8 @@ def exact_match_reward(completions: list[str], answers: list[str]) -> list[float
     return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
 
 
-def _dataset(pairs: list[tuple[str, str]]) -> datasets.Dataset:
-    return datasets.Dataset.from_dict({"prompt": [p for p, _ in pairs], "answer": [a for _, a in pairs]})
+def _dataset(rows: list[tuple[str, ...]], columns: tuple[str, ...] = ("prompt", "answer")) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({c: [row[i] for row in rows] for i, c in enumerate(columns)})
 
 
 def _split_unique(make_example: Callable[[random.Random], tuple[str, str]], n_train: int, n_test: int,
@@ -102,8 +103,13 @@ def _read_rows(path: str) -> list[tuple[str, dict]]:
     ext = os.path.splitext(path)[1].lower()
     if ext == ".jsonl":
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
+        with open(path, "rb") as f:  # bytes, so that a decoding error can name its line
+            for line_no, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}: line {line_no} is not valid UTF-8 ({e.reason} at byte {e.start} of the "
+                                     "line); the file must be UTF-8 encoded") from None
                 if not line.strip():
                     continue
                 where = f"row {len(rows)} (line {line_no})"
@@ -129,10 +135,15 @@ def load_task(path: str, *, prompt_field: str = "prompt", answer_field: str = "a
     Every row needs a non-empty string prompt and a string answer; the first row that does not
     have them raises a ValueError naming the file, the row index (0-based; and the line for JSONL)
     and the field.
-    The split is a seeded shuffle; `test_fraction` of the rows (at least one) become the test set.
+    A prompt that occurs again is dropped after its first row, so no test prompt is in train: a repeat with
+    the same answer is dropped with a printed note, one with a different answer raises a ValueError naming
+    both rows.
+    The split is a seeded shuffle; `test_fraction` of the distinct prompts (at least one) become the test set.
     `max_new_tokens` defaults to the longest answer in UTF-8 bytes + 8, an upper bound on its token
     count for byte-level BPE tokenizers (every token covers at least one byte).
     """
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"load_task: {path} is a directory, not a data file; give a .jsonl or .parquet file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_task: no such file: {path}")
     if not 0.0 < test_fraction < 1.0:
@@ -140,7 +151,8 @@ def load_task(path: str, *, prompt_field: str = "prompt", answer_field: str = "a
     rows = _read_rows(path)
     if len(rows) < 2:
         raise ValueError(f"{path}: need at least 2 rows (one train, one test), found {len(rows)}")
-    pairs = []
+    first: dict[str, tuple[str, str]] = {}  # prompt -> (where, answer) of its first row
+    examples, n_repeats = [], 0
     for where, row in rows:
         for field in (prompt_field, answer_field):
             if field not in row:
@@ -151,20 +163,57 @@ def load_task(path: str, *, prompt_field: str = "prompt", answer_field: str = "a
                 raise ValueError(f"{path}: {where} field {field!r} has type {type(row[field]).__name__}, expected a string")
         if not row[prompt_field].strip():
             raise ValueError(f"{path}: {where} field {prompt_field!r} is empty")
-        pairs.append((row[prompt_field], row[answer_field]))
+        prompt, answer = row[prompt_field], row[answer_field]
+        if prompt in first:
+            first_where, first_answer = first[prompt]
+            if answer != first_answer:
+                raise ValueError(f"{path}: {where} repeats the prompt of {first_where} ({prompt!r}) with a different "
+                                 f"answer ({answer!r}, not {first_answer!r}); keep one answer per prompt")
+            n_repeats += 1
+            continue
+        first[prompt] = (where, answer)
+        examples.append((prompt, answer, f"{path}: {where}"))
+    if n_repeats:
+        print(f"load_task: {path}: dropped {n_repeats} duplicate rows (same prompt and answer as an earlier row)")
+    if len(examples) < 2:
+        raise ValueError(f"{path}: need at least 2 distinct prompts (one train, one test), found {len(examples)}")
 
-    random.Random(seed).shuffle(pairs)
-    n_test = min(len(pairs) - 1, max(1, round(test_fraction * len(pairs))))
+    random.Random(seed).shuffle(examples)
+    n_test = min(len(examples) - 1, max(1, round(test_fraction * len(examples))))
     if max_new_tokens is None:
-        max_new_tokens = max(len(a.encode("utf-8")) for _, a in pairs) + 8
+        max_new_tokens = max(len(a.encode("utf-8")) for _, a, _ in examples) + 8
     name = os.path.splitext(os.path.basename(path))[0]
-    return Task(name, _dataset(pairs[n_test:]), _dataset(pairs[:n_test]), exact_match_reward, max_new_tokens)
+    columns = ("prompt", "answer", "where")
+    return Task(name, _dataset(examples[n_test:], columns), _dataset(examples[:n_test], columns), exact_match_reward,
+                max_new_tokens)
+
+
+def _chat_text(tok, text: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
 
 
 def encode_prompt(tok, text: str) -> list[int]:
     """Token ids of the chat-formatted user turn plus the assistant header (what the policy continues)."""
-    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return tok(chat, add_special_tokens=False).input_ids
+    return tok(_chat_text(tok, text), add_special_tokens=False).input_ids
+
+
+def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int) -> None:
+    """Refuse, before any training, a task with a prompt (train or test, as encode_prompt encodes it) whose
+    tokens + max_new_tokens exceed context_len. The ValueError names the first such row and counts them all."""
+    too_long = []  # (where, prompt tokens)
+    for split, ds in (("train", task.train), ("test", task.test)):
+        if not len(ds):
+            continue
+        lengths = map(len, tok([_chat_text(tok, p) for p in ds["prompt"]], add_special_tokens=False).input_ids)
+        wheres = ds["where"] if "where" in ds.column_names else (f"{task.name}: {split} row {i}" for i in range(len(ds)))
+        too_long += [(w, n) for w, n in zip(wheres, lengths) if n + max_new_tokens > context_len]
+    if too_long:
+        where, n = too_long[0]
+        n_rows = len(task.train) + len(task.test)
+        raise ValueError(f"check_lengths: {where}: the prompt is {n} tokens (chat-formatted) + max_new_tokens "
+                         f"{max_new_tokens} = {n + max_new_tokens}, over the context length {context_len}; shorten "
+                         f"the prompt or lower --max-new-tokens, or drop the row. {len(too_long)} of {n_rows} rows "
+                         f"are too long, the longest prompt is {max(n for _, n in too_long)} tokens")
 
 
 def score(task: Task, completions: list[str], answers: list[str]) -> torch.Tensor:
@@ -183,10 +232,15 @@ def score(task: Task, completions: list[str], answers: list[str]) -> torch.Tenso
     if n != len(completions):
         raise RuntimeError(f"reward function {fn} returned {type(rewards).__name__} of length {n} for {len(completions)} "
                            "completions; it must return one float per completion")
+    f32_max = torch.finfo(torch.float32).max
     for i, r in enumerate(rewards):
-        if not isinstance(r, numbers.Real) or not math.isfinite(r):  # numpy scalars are Real too
+        # numpy scalars are Real too; an int is finite however large (math.isfinite would overflow on it)
+        if not isinstance(r, numbers.Real) or not (isinstance(r, numbers.Integral) or math.isfinite(r)):
             raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}); "
                                "rewards must be finite numbers")
+        if abs(r) > f32_max:
+            raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}), "
+                               f"which is inf in float32 (|r| > {f32_max:.6g}); rewards must be finite in float32")
     return torch.tensor([float(r) for r in rewards])
 
 

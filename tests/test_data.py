@@ -4,13 +4,15 @@ import json
 import os
 import re
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet
 import pytest
 import torch
 import transformers
 
-from data.tasks import addition_task, exact_match_reward, get_task, load_task, sort_task
+from data.tasks import (Task, addition_task, check_lengths, encode_prompt, exact_match_reward, get_task, load_task, score,
+                        sort_task)
 from data.tiny import (DEFAULT_WARMUP, EOS_ID, PAD_ID, _sft_batch, build_tiny_model, build_tokenizer, default_model,
                        greedy_completions, tiny_config, warmup)
 
@@ -133,7 +135,10 @@ def test_load_task(tmp_path, ext):
     assert task.test.to_list() != load_task(path, test_fraction=0.25, seed=1).test.to_list()
     assert task.max_new_tokens == len("a19") + 8
     assert task.reward_fn(["a1", "a2"], ["a1", "a1"]) == [1.0, 0.0]
-    assert get_task(path).train.column_names == ["prompt", "answer"]
+    assert get_task(path).train.column_names == ["prompt", "answer", "where"]
+    for r in rows:  # each row still names its file row after the shuffle
+        i = int(r["prompt"][1:])
+        assert r["where"] == f"{path}: row {i}" + (f" (line {i + 1})" if ext == "jsonl" else "")
     renamed = [{"q": r["prompt"], "a": r["answer"]} for r in ROWS]
     assert len(load_task(_write(tmp_path / f"renamed.{ext}", renamed), prompt_field="q", answer_field="a").test) == 2
 
@@ -176,6 +181,80 @@ def test_load_task_bad_inputs(tmp_path):
         load_task(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match=r"unknown task 'subtraction': choose one of \['addition', 'sort'\]"):
         get_task("subtraction")
+
+
+def test_load_task_not_utf8_names_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "q0", "answer": "a0"}\n\n{"prompt": "caf\xe9", "answer": "a1"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl: line 3 is not valid UTF-8 .*the file must be UTF-8"):
+        load_task(str(path))
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_get_task_directory_is_not_a_data_file(tmp_path, ext):
+    (tmp_path / f"x.{ext}").mkdir()
+    with pytest.raises(IsADirectoryError, match=f"x.{ext} is a directory, not a data file"):
+        get_task(str(tmp_path / f"x.{ext}"))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        get_task(str(tmp_path / f"missing.{ext}"))
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_load_task_drops_duplicate_prompts(tmp_path, ext, capsys):
+    rows = ROWS + [ROWS[3], ROWS[5], ROWS[3]]  # exact duplicates: 3 dropped, keeping the first rows
+    path = _write(tmp_path / f"dups.{ext}", rows)
+    task = load_task(path, test_fraction=0.25, seed=0)
+    assert capsys.readouterr().out.count("dropped 3 duplicate rows") == 1
+    assert (len(task.train), len(task.test)) == (15, 5)
+    assert not set(task.train["prompt"]) & set(task.test["prompt"])
+    assert task.test.to_list() == load_task(path, test_fraction=0.25, seed=0).test.to_list()
+    wheres = list(task.train["where"]) + list(task.test["where"])  # the first 20 rows: the repeats were dropped
+    assert sorted(wheres) == sorted(f"{path}: row {i}" + (f" (line {i + 1})" if ext == "jsonl" else "") for i in range(20))
+
+    conflict = ROWS + [{**ROWS[3], "answer": "other"}]
+    with pytest.raises(ValueError, match=("row 20 \\(line 21\\)" if ext == "jsonl" else "row 20") + " repeats the prompt of row 3"
+                       + (" \\(line 4\\)" if ext == "jsonl" else "") + " \\('q3'\\) with a different answer \\('other', not 'a3'\\)"):
+        load_task(_write(tmp_path / f"conflict.{ext}", conflict))
+
+
+def test_check_lengths_names_file_row(tmp_path):
+    tok = build_tokenizer()
+    rows = [{"prompt": f"q{i}", "answer": "a"} for i in range(12)]
+    rows[7]["prompt"], rows[9]["prompt"] = "x" * 300, "y" * 300
+    path = _write(tmp_path / "long.jsonl", rows)
+    task = load_task(path)
+    n = len(encode_prompt(tok, "x" * 300))  # 300 bytes + the chat template
+    check_lengths(task, tok, context_len=n + 8, max_new_tokens=8)  # exactly fits
+    with pytest.raises(ValueError) as err:
+        check_lengths(task, tok, context_len=n + 7, max_new_tokens=8)
+    message = str(err.value)
+    assert re.search(f"{re.escape(path)}: row (7 \\(line 8\\)|9 \\(line 10\\)): the prompt is {n} tokens", message), message
+    assert f"max_new_tokens 8 = {n + 8}, over the context length {n + 7}" in message
+    assert "lower --max-new-tokens" in message and "2 of 12 rows are too long" in message
+
+
+def test_check_lengths_builtin_task():
+    tok = build_tokenizer()
+    check_lengths(addition_task(), tok, context_len=256, max_new_tokens=8)  # 20000 + 3000 rows
+    n = len(encode_prompt(tok, "042+315"))
+    with pytest.raises(ValueError, match=f"addition: train row 0: the prompt is {n} tokens .* 55 of 55 rows are too long"):
+        check_lengths(addition_task(n_train=50, n_test=5), tok, context_len=n + 7, max_new_tokens=8)
+
+
+def test_score_refuses_float32_overflow():
+    ds = datasets.Dataset.from_dict({"prompt": ["p"], "answer": ["a"]})
+
+    def task(rewards):
+        return Task("t", ds, ds, lambda completions, answers: rewards, 4)
+
+    with pytest.raises(RuntimeError, match=r"returned 1e\+39 for sample 1 \(completion 'b'\), which is inf in float32"):
+        score(task([0.0, 1e39]), ["a", "b"], ["a", "a"])
+    with pytest.raises(RuntimeError, match="which is inf in float32"):  # an int too large for math.isfinite
+        score(task([10**400]), ["a"], ["a"])
+    with pytest.raises(RuntimeError, match=r"returned -inf for sample 0 \(completion 'a'\); rewards must be finite numbers"):
+        score(task([float("-inf")]), ["a"], ["a"])
+    rewards = score(task([-3e38, 2**100]), ["a", "b"], ["a", "a"])  # finite in float32: they pass
+    assert torch.isfinite(rewards).all() and rewards.tolist() == torch.tensor([-3e38, 2.0**100]).tolist()
 
 
 # --- warm-up ---

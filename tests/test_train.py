@@ -97,7 +97,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch)
 
     huge = lambda task, completions, answers: torch.tensor([3e38 if i % 2 else -3e38 for i in range(len(completions))])  # noqa: E731
     monkeypatch.setattr(train_ppo, "score", huge)
-    with pytest.raises(RuntimeError, match="2 consecutive updates had a non-finite loss or gradient"):
+    with pytest.raises(RuntimeError, match="2 consecutive policy updates had a non-finite loss or gradient"):
         main(small(tmp_path, algo="grpo", grpo_std=False, steps=5, max_bad_steps=2, eval_size=8))
     assert not (tmp_path / "checkpoints").exists()
 
