@@ -179,22 +179,33 @@ def length_adaptive_lambda(lengths: Tensor, alpha: float) -> Tensor:
     return (1.0 - 1.0 / (alpha * lengths.float().clamp_min(1))).clamp(0.0, 1.0)
 
 
-def grpo_advantages(scores: Tensor, group_size: int, norm_std: bool = True, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(scores: Tensor, group_size: int, norm_std: bool = True, eps: float = 1e-6, valid: Tensor | None = None) -> Tensor:
     """Group-relative advantages (GRPO, arXiv 2402.03300; Dr. GRPO arXiv 2503.20783 drops the std).
 
     scores: [N] one scalar per response; groups of ``group_size`` are contiguous. A_i = (R_i - mean_group)
     / (std_group + eps) with the unbiased std (or without the division when norm_std=False). A group of
-    size 1 has no baseline: its advantage is 0. Returns [N] float32.
+    size 1 has no baseline: its advantage is 0. ``valid`` ([N] bool, default all True) marks the rewarded
+    responses: the mean and std are over a group's valid members only, an invalid response gets 0, and so does
+    every member of a group with fewer than 2 valid ones (no baseline). Returns [N] float32.
     """
     if scores.dim() != 1 or scores.numel() % group_size:
         raise ValueError(f"grpo_advantages: {scores.numel()} scores do not split into groups of {group_size}")
     if group_size == 1:
         return torch.zeros_like(scores, dtype=torch.float32)
     g = scores.float().view(-1, group_size)
-    adv = g - g.mean(-1, keepdim=True)
+    if valid is None:
+        adv = g - g.mean(-1, keepdim=True)
+        if norm_std:
+            adv = adv / (g.std(-1, keepdim=True) + eps)
+        return adv.view(-1)
+    v = valid.view(-1, group_size).to(g.dtype)
+    n = v.sum(-1, keepdim=True)
+    mean = (g * v).sum(-1, keepdim=True) / n.clamp_min(1)
+    adv = (g - mean) * v
     if norm_std:
-        adv = adv / (g.std(-1, keepdim=True) + eps)
-    return adv.view(-1)
+        std = ((adv**2).sum(-1, keepdim=True) / (n - 1).clamp_min(1)).sqrt()
+        adv = adv / (std + eps)
+    return (adv * (n >= 2)).view(-1)
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:

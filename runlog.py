@@ -54,7 +54,7 @@ class RunLog:
                  changes: dict | None = None):
         """changes: the options a resume changed, {name: [old, new]}; config.json keeps a list of them ("resumes")."""
         self.dir, self.rank, self.history = out_dir, rank, []
-        self.writers = []
+        self.writers, self.wandb = [], wandb
         if rank != 0:
             return
         os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
@@ -89,6 +89,22 @@ class RunLog:
             f.write(json.dumps(row) + "\n")
         for write in self.writers:
             write(row)
+
+    def samples(self, step: int, records: list[dict]) -> None:
+        """One evaluation's completions: <out-dir>/samples/step_<step:06d>.jsonl, a JSON object per completion
+        (kind greedy / sampled, problem, sample, prompt, answer, completion, reward and the reward's extra keys;
+        values JSON cannot hold are written as their repr), and with --wandb a Table "eval/samples"."""
+        if self.rank != 0:
+            return
+        os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+        lines = "".join(json.dumps({"step": step, **r}, default=repr) + "\n" for r in records)
+        _atomic_write(os.path.join(self.dir, "samples", f"step_{step:06d}.jsonl"), lines)
+        if self.wandb and records:
+            import wandb as wb
+
+            columns = list(dict.fromkeys(k for r in records for k in r))
+            cell = lambda v: v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v, default=repr)  # noqa: E731
+            wb.log({"eval/samples": wb.Table(columns=columns, data=[[cell(r.get(c)) for c in columns] for r in records])}, step=step)
 
     def plot(self) -> None:
         """One PNG per panel, redrawn from the whole history; one family of quantities (one unit) per axis."""

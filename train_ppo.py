@@ -40,7 +40,8 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import losses as L
-from data.tasks import check_lengths, encode_prompt, get_task, score
+from data.rewards import load_reward, majority_correct, pass_at_k
+from data.tasks import check_lengths, encode_prompt, get_task, reward_columns, score
 from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
 from rollout import SUPPORTED_MODEL_TYPES, EmbeddedEngine, Sampling
 from runlog import RunLog, latest_checkpoint, load_trainer_state, lock_run_dir, safetensors_problem, save_checkpoint
@@ -59,8 +60,18 @@ class Config:
     model: str = ""
     """Hugging Face model folder; empty = the embedded tiny model, built and warmed up on first use."""
     task: str = "addition"
-    """'addition', 'sort', or a .jsonl/.parquet file with 'prompt' and 'answer' fields (the default model is
-    warmed up on sort for 'sort', on addition otherwise)."""
+    """'addition', 'sort', or your data: a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder or a
+    hub dataset name owner/name, with a prompt (a string or a list of chat messages) and an answer per row (the
+    default model is warmed up on sort for 'sort', on addition otherwise)."""
+    split: str = "train"
+    """The split of --task when it is a DatasetDict folder or a hub dataset."""
+    prompt_key: str = "prompt"
+    """The column of --task (and --eval-task) that holds the prompt."""
+    answer_key: str = "answer"
+    """The column of --task (and --eval-task) that holds the reference answer."""
+    reward: str = ""
+    """Reward: '' = the task's default (exact match), 'exact', 'math' (final answer checked by math-verify),
+    'path/to/file.py:function' or 'package.module:function' (README, "Bring your own reward, data and evaluation")."""
     out_dir: str = "outputs/run"
     """Run folder: config.json, metrics.jsonl, plots/, checkpoints/. An existing run there is resumed."""
     steps: int = 100
@@ -159,6 +170,12 @@ class Config:
     """Held-out evaluation (greedy and sampled accuracy) every N steps, and before and after the run."""
     eval_size: int = 500
     """Held-out problems per evaluation."""
+    eval_task: str = ""
+    """A separate held-out set (the forms of --task; its prompts are dropped from train); '' = a seeded split of --task."""
+    eval_split: str = "test"
+    """The split of --eval-task when it is a DatasetDict folder or a hub dataset."""
+    eval_samples: int = 1
+    """Sampled completions per held-out problem; n > 1 adds eval/mean@n, eval/pass@k and eval/maj@k (k = 1, 2, 4, ... <= n)."""
     eval_dtype: Literal["engine", "fp32"] = "engine"
     """Evaluate with the rollout engine, or with an fp32 embedded copy of the policy (the trainer's numbers, so
     quantised-rollout runs are judged on the policy they trained; a second copy of the weights)."""
@@ -197,7 +214,7 @@ def resolve(cfg: Config, world_size: int) -> dict:
         errors.append(f"the IcePop band must satisfy 0 < low < 1 < high, got [{cfg.icepop_low}, {cfg.icepop_high}]")
     if cfg.critic_pretrain < 0:
         errors.append(f"--critic-pretrain must be >= 0 (0 = off), got {cfg.critic_pretrain}")
-    for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_size"):
+    for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_size", "eval_samples"):
         if getattr(cfg, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < cfg.clip_low < 1 or not 0 < cfg.clip_high:
@@ -235,6 +252,17 @@ def resolve(cfg: Config, world_size: int) -> dict:
             import sglang  # noqa: F401
         except ImportError as e:
             errors.append(f"--engine sglang needs SGLang installed (see README, 'SGLang'): {e}")
+    for flag in ("split", "prompt_key", "answer_key", "eval_split"):
+        if not getattr(cfg, flag).strip():
+            errors.append(f"--{flag.replace('_', '-')} must not be empty")
+    if cfg.prompt_key == cfg.answer_key:
+        errors.append(f"--prompt-key and --answer-key must name different columns, both are {cfg.prompt_key!r}")
+    if cfg.eval_task and cfg.eval_task == cfg.task and cfg.eval_split == cfg.split:
+        errors.append(f"--eval-task {cfg.eval_task!r} is --task with the same split: the held-out set would be the train set")
+    try:  # runs a reward file's top level: its errors are named here, before any work
+        load_reward(cfg.reward)
+    except ValueError as e:
+        errors.append(str(e))
     for flag, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
         if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
             errors.append(f"--{flag} needs the {module} package: pip install {module}")
@@ -245,8 +273,8 @@ def resolve(cfg: Config, world_size: int) -> dict:
 
 # What a resume may change: options that do not change what the run means (its length, evaluation, logging,
 # checkpointing) and the learning rates, applied for real to the optimisers (to resume after a blow-up).
-RESUMABLE = ("steps", "eval_every", "eval_size", "eval_dtype", "save_every", "keep_checkpoints", "wandb", "tensorboard",
-             "lr", "critic_lr", "max_bad_steps", "deterministic")
+RESUMABLE = ("steps", "eval_every", "eval_size", "eval_dtype", "eval_task", "eval_split", "eval_samples", "save_every",
+             "keep_checkpoints", "wandb", "tensorboard", "lr", "critic_lr", "max_bad_steps", "deterministic")
 
 
 def check_resume(cfg: Config, ckpt: str, world_size: int) -> dict:
@@ -316,9 +344,40 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
     float64: squares of large advantages overflow float32)."""
     x = x.double()
     stats = all_reduce(torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]), group)
-    mean = stats[0] / stats[2]
+    mean = stats[0] / stats[2].clamp_min(1)  # a batch without a rewarded token: 0, not NaN
     var = (stats[1] - stats[2] * mean**2) / (stats[2] - 1).clamp_min(1)
     return ((x - mean) * torch.rsqrt(var + 1e-8)).float() * mask
+
+
+def denominator(loss_mask: torch.Tensor, keep: torch.Tensor, cfg: Config, max_len: int, group) -> torch.Tensor:
+    """losses.loss_denominator of a minibatch over its kept (rewarded) rows only, so a row without a reward leaves
+    N_seq as well as N_tok; summed over dp ranks, at least 1 (a minibatch with nothing to learn has loss 0)."""
+    return all_reduce(L.loss_denominator(loss_mask[keep], cfg.agg, max_len), group).clamp_min(1)
+
+
+def reward_metrics(sc, group) -> dict[str, float]:
+    """rollout/reward_mean over the rewarded samples of the global batch (NaN if none), rollout/no_reward_frac, and
+    reward/<key>: the mean of each numeric extra key of the reward's dicts over the samples that return it.
+    Totalled over dp ranks, so every rank logs the same keys with the same values."""
+    local = {"rollout/reward_mean": [sc.rewards[sc.rewarded].sum().item(), int(sc.rewarded.sum())],
+             "rollout/no_reward_frac": [float((~sc.rewarded).sum()), len(sc.rewarded)]}
+    for extra in sc.extras:
+        for k, v in extra.items():
+            if k != "pred" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                total = local.setdefault(f"reward/{k}", [0.0, 0])
+                total[0] += v
+                total[1] += 1
+    parts = [local]
+    if dist.is_initialized():
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, local, group=group)
+    sums: dict[str, list] = {}
+    for part in parts:
+        for k, (v, c) in part.items():
+            sums.setdefault(k, [0.0, 0])
+            sums[k][0] += v
+            sums[k][1] += c
+    return {k: v / c if c else float("nan") for k, (v, c) in sums.items()}
 
 
 def add(metrics: dict[str, list], new: dict[str, torch.Tensor]) -> None:
@@ -449,21 +508,55 @@ def decode(tok, ro) -> list[str]:
     return tok.batch_decode([t[m].tolist() for t, m in zip(ro.tokens, ro.mask)], skip_special_tokens=True)
 
 
-def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int) -> dict[str, float]:
-    """Greedy (top-1) and sampled mean reward on the first eval_size held-out problems (= exact-match accuracy
-    for the built-in tasks), sharded over the engine ranks and summed over all ranks."""
-    counts = torch.zeros(3)
+def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int) -> tuple[dict[str, float], list[dict]]:
+    """Held-out evaluation on the first eval_size test problems, sharded over the engine ranks, summed over all ranks.
+
+    eval/greedy_acc and eval/sampled_acc: the mean reward of the greedy (top-1) completion and of the sampled ones
+    (= exact-match accuracy for the built-in tasks); a None reward counts as 0. With --eval-samples n > 1 each
+    problem gets n samples: eval/mean@n (= sampled_acc), and for k = 1, 2, 4, ... <= n the unbiased eval/pass@k
+    (a sample is correct when its reward is > 0) and, when the reward returns "pred", eval/maj@k (majority_correct).
+    Returns (metrics, records): one record per completion for the samples file, gathered on rank 0 ([] elsewhere).
+    """
+    n = cfg.eval_samples
+    ks = [2**i for i in range(n.bit_length()) if 2**i <= n] if n > 1 else []
+    counts = torch.zeros(4 + 2 * len(ks), dtype=torch.float64)  # greedy, sampled, problems, has pred, pass@k..., maj@k...
+    records = []
     if engine is not None:
-        n = min(cfg.eval_size, len(task.test))
-        lo, hi = n * dp_rank // dp, n * (dp_rank + 1) // dp  # contiguous shards: row seeds as in one process
+        size = min(cfg.eval_size, len(task.test))
+        lo, hi = size * dp_rank // dp, size * (dp_rank + 1) // dp  # contiguous shards: row seeds as in one process
         test = task.test.select(range(lo, hi))
-        ids, answers = [encode_prompt(tok, p) for p in test["prompt"]], test["answer"]
-        seed = cfg.seed + 7 + lo
-        for k, s in enumerate((Sampling(**{**asdict(sampling), "top_k": 1, "n": 1}), Sampling(**{**asdict(sampling), "n": 1, "seed": seed}))):
-            counts[k] = score(task, decode(tok, engine.generate(ids, s)), answers).sum() if ids else 0.0
+        prompts, answers = test["prompt"], test["answer"]
+        ids = [encode_prompt(tok, p) for p in prompts]
+        greedy = Sampling(**{**asdict(sampling), "top_k": 1, "n": 1})
+        sampled = Sampling(**{**asdict(sampling), "n": n, "seed": cfg.seed + 7 + lo * n})  # row r has seed + r
+        for k, (kind, s, m) in enumerate((("greedy", greedy, 1), ("sampled", sampled, n)) if ids else ()):
+            texts = decode(tok, engine.generate(ids, s))
+            sc = score(task, texts, reward_columns(test, m))
+            r = sc.rewards * sc.rewarded  # None counts as 0
+            counts[k] = r.sum()
+            records += [{**sc.extras[i], "kind": kind, "problem": lo + i // m, "sample": i % m, "prompt": prompts[i // m],
+                         "answer": answers[i // m], "completion": t, "reward": sc.rewards[i].item() if sc.rewarded[i] else None}
+                        for i, t in enumerate(texts)]  # the reward's extra keys first: a key named like ours is overwritten
+            if kind == "sampled" and ks:
+                R = r.view(-1, n).tolist()
+                preds = [e.get("pred") for e in sc.extras]
+                counts[3] = float(any("pred" in e for e in sc.extras))
+                for j, kk in enumerate(ks):
+                    counts[4 + j] = sum(pass_at_k(n, sum(x > 0 for x in row), kk) for row in R)
+                    counts[4 + len(ks) + j] = sum(majority_correct(preds[p * n : (p + 1) * n], R[p], kk) for p in range(len(R)))
         counts[2] = len(ids)
     all_reduce(counts)
-    return {"eval/greedy_acc": (counts[0] / counts[2]).item(), "eval/sampled_acc": (counts[1] / counts[2]).item()}
+    out = {"eval/greedy_acc": (counts[0] / counts[2]).item(), "eval/sampled_acc": (counts[1] / (counts[2] * n)).item()}
+    if ks:
+        out[f"eval/mean@{n}"] = out["eval/sampled_acc"]
+        out.update({f"eval/pass@{k}": (counts[4 + j] / counts[2]).item() for j, k in enumerate(ks)})
+        if counts[3] > 0:
+            out.update({f"eval/maj@{k}": (counts[4 + len(ks) + j] / counts[2]).item() for j, k in enumerate(ks)})
+    if dist.is_initialized():
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(records, parts, dst=0)
+        records = sorted((r for p in parts for r in p), key=lambda r: (r["kind"], r["problem"], r["sample"])) if parts else []
+    return out, records
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -474,7 +567,9 @@ def main(cfg: Config) -> list[dict]:
     rt = init_runtime()
     plan = resolve(cfg, rt.world_size)
     lock = lock_run_dir(cfg.out_dir) if rt.rank == 0 else None  # noqa: F841  (held until the process ends)
-    task = get_task(cfg.task)  # a bad task or data file fails here, before any model is built
+    # A bad task, data file or row fails here, before any model is built.
+    task = get_task(cfg.task, split=cfg.split, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+                    reward_fn=load_reward(cfg.reward), eval_task=cfg.eval_task, eval_split=cfg.eval_split)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     mesh = make_mesh(rt, cfg.tp)
@@ -527,8 +622,9 @@ def main(cfg: Config) -> list[dict]:
     print0(f"{'resuming at step ' + str(start) if ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
            f"world {rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}")
     if ckpt is None:
-        before = evaluate(eval_engine, tok, task, cfg, sampling, dp_rank, plan["dp"])
+        before, records = evaluate(eval_engine, tok, task, cfg, sampling, dp_rank, plan["dp"])
         log.log({"step": 0, **before})
+        log.samples(0, records)
         print0(f"before RL: greedy accuracy {before['eval/greedy_acc']:.1%}, sampled {before['eval/sampled_acc']:.1%} "
                f"on {min(cfg.eval_size, len(task.test))} held-out problems")
     order = {}  # epoch -> permutation of the train set, the same on every rank
@@ -563,7 +659,6 @@ def main(cfg: Config) -> list[dict]:
                     order[epoch] = torch.randperm(n_train, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
                 idx.append(order[epoch][i % n_train])
             rows = task.train.select(idx)
-            answers = [a for a in rows["answer"] for _ in range(plan["n"])]
             ro = None
             if engine is not None:
                 # Row r of this call is sampled with seed + r (engine contract), so the global batch does not
@@ -576,19 +671,26 @@ def main(cfg: Config) -> list[dict]:
                 dist.broadcast_object_list(box, group_src=0, group=tp_mesh.get_group())
                 ro = box[0]
 
-        # 2 reward: outcome reward on the last response token
+        # 2 reward: outcome reward on the last response token. A row without a reward (None) leaves training:
+        # its tokens leave `mask` (every loss, the whitening and the denominators); in GRPO so do the groups
+        # with fewer than 2 rewarded rows (no baseline). gen_mask keeps every generated token (mismatch metrics).
         with timed(times, "reward"):
-            scores = score(task, decode(tok, ro), answers)
+            sc = score(task, decode(tok, ro), reward_columns(rows, plan["n"]))
+            scores, rewarded = sc.rewards, sc.rewarded.to(rt.device)
             b = ro.to_batch(tok.pad_token_id)
             b = type(b)(*(x.to(rt.device) if torch.is_tensor(x) else x for x in b))
-            tokens, mask, infer_logp = ro.tokens.to(rt.device), ro.mask.to(rt.device), ro.infer_logp.to(rt.device)
-            lengths = mask.sum(-1)
+            tokens, gen_mask, infer_logp = ro.tokens.to(rt.device), ro.mask.to(rt.device), ro.infer_logp.to(rt.device)
+            lengths = gen_mask.sum(-1)
+            keep = rewarded
+            if cfg.algo == "grpo":
+                keep = rewarded & (rewarded.view(-1, plan["n"]).sum(-1, keepdim=True) >= 2).expand(-1, plan["n"]).reshape(-1)
+            mask = gen_mask & keep[:, None]
 
         if init_head:  # the head starts as the constant mean reward of this first batch: EV 0, not the negative
             with torch.no_grad():  # EV of a random head's noise (N(0, 0.02) rows give values of std ~0.2 here)
-                stats = all_reduce(torch.stack([scores.sum(), torch.tensor(float(len(scores)))]), dp_group)
+                stats = all_reduce(torch.stack([scores[sc.rewarded].sum(), sc.rewarded.sum().float()]), dp_group)
                 critic.score.weight.zero_()
-                critic.score.bias.fill_((stats[0] / stats[1]).item())
+                critic.score.bias.fill_((stats[0] / stats[1].clamp_min(1)).item())
             init_head = False
 
         # 3 recompute at the rollout weights: pi_old, V_old, pi_ref
@@ -612,11 +714,11 @@ def main(cfg: Config) -> list[dict]:
                 if cfg.whiten_advantages:
                     adv = whiten(adv, mask, dp_group)
             else:
-                adv = L.grpo_advantages((rewards * mask).sum(-1), plan["n"], cfg.grpo_std)[:, None] * mask
+                adv = L.grpo_advantages((rewards * mask).sum(-1), plan["n"], cfg.grpo_std, valid=rewarded)[:, None] * mask
 
         # 5 mismatch correction: IcePop weights M(k) (or TIS / geo mask); DIS acts inside its loss
         with timed(times, "correction"):
-            add(m, L.mismatch_metrics(old_logp, infer_logp, mask, cfg.icepop_low, cfg.icepop_high))
+            add(m, L.mismatch_metrics(old_logp, infer_logp, gen_mask, cfg.icepop_low, cfg.icepop_high))
             is_w, cm = None, {}
             if cfg.correction == "icepop":
                 is_w, cm = L.icepop_weights(old_logp, infer_logp, mask, cfg.icepop_low, cfg.icepop_high)
@@ -632,7 +734,7 @@ def main(cfg: Config) -> list[dict]:
         with timed(times, "critic"):
             for k in range(cfg.critic_updates if critic is not None else 0):
                 for mb in minibatches(len(tokens), cfg, g, 1000 + k):
-                    denom = all_reduce(L.loss_denominator(mask[mb], cfg.agg, sampling.max_new_tokens), dp_group)
+                    denom = denominator(mask[mb], keep[mb], cfg, sampling.max_new_tokens, dp_group)
                     for r in micro(mb, cfg):
                         # No value clipping while pretraining: the first values are the untrained head's.
                         clip = None if pretraining else cfg.value_clip or None
@@ -652,7 +754,7 @@ def main(cfg: Config) -> list[dict]:
         with timed(times, "policy"):
             for epoch in range(cfg.ppo_epochs if update_policy else 0):
                 for mb in minibatches(len(tokens), cfg, g, epoch):
-                    denom = all_reduce(L.loss_denominator(loss_mask[mb], cfg.agg, sampling.max_new_tokens), dp_group)
+                    denom = denominator(loss_mask[mb], keep[mb], cfg, sampling.max_new_tokens, dp_group)
                     for r in micro(mb, cfg):
                         logits = response_logits(policy, b, r)
                         logp = L.token_logprobs(logits, tokens[r], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
@@ -683,8 +785,9 @@ def main(cfg: Config) -> list[dict]:
 
         # 9 metrics, evaluation, checkpoint
         n_tok = lengths.sum()
+        add(m, reward_metrics(sc, dp_group))
         add(m, {
-            "rollout/reward_mean": scores.mean(), "rollout/response_len_mean": lengths.float().mean(),
+            "rollout/response_len_mean": lengths.float().mean(),
             "rollout/response_len_max": lengths.max().float(), "rollout/tokens_per_s": n_tok * plan["dp"] / times["time/rollout"],  # dp engines run at once
             "rollout/truncated_frac": sum(f == "length" for f in ro.finish_reasons) / len(ro.finish_reasons),
         })
@@ -715,8 +818,11 @@ def main(cfg: Config) -> list[dict]:
         if (step + 1) % cfg.eval_every == 0 or last:
             if cfg.eval_dtype == "fp32":  # the fp32 copy gets the new weights only when it is used
                 push_weights(policy, eval_engine)
-            row.update(evaluate(eval_engine, tok, task, cfg, sampling, dp_rank, plan["dp"]))
+            metrics, records = evaluate(eval_engine, tok, task, cfg, sampling, dp_rank, plan["dp"])
+            row.update(metrics)
         log.log(row)
+        if "eval/greedy_acc" in row:
+            log.samples(step + 1, records)
         bar.update(1)
         bar.set_postfix(reward=f"{row['rollout/reward_mean']:.2f}", acc=f"{row.get('eval/greedy_acc', float('nan')):.2f}",
                         masked=f"{row['mismatch/masked_frac']:.2%}")

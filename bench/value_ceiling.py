@@ -40,7 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import losses as L  # noqa: E402
-from data.tasks import encode_prompt, get_task, score  # noqa: E402
+from data.tasks import encode_prompt, get_task, reward_columns, score  # noqa: E402
 from rollout import EmbeddedEngine, Sampling  # noqa: E402
 
 
@@ -97,13 +97,13 @@ def main() -> None:
     engine = EmbeddedEngine(model, dtype="fp32")  # the trainer's own policy: fp32
     start = time.perf_counter()
     rows = task.train.select(range(min(args.prompts, len(task.train))))
-    prompts, answers = [encode_prompt(tok, p) for p in rows["prompt"]], rows["answer"]
+    prompts = [encode_prompt(tok, p) for p in rows["prompt"]]
     budget = task.max_new_tokens
     base = Sampling(args.temperature, max_new_tokens=budget, stop_token_ids=(tok.eos_token_id,), seed=args.seed)
     ro = engine.generate(prompts, base)
     mask = ro.mask
     resp = [t[m].tolist() for t, m in zip(ro.tokens, mask)]
-    returns = score(task, tok.batch_decode(resp, skip_special_tokens=True), answers)[:, None].expand_as(mask).float()
+    returns = score(task, tok.batch_decode(resp, skip_special_tokens=True), reward_columns(rows)).rewards[:, None].expand_as(mask).float()
 
     values = torch.zeros(mask.shape)
     for t in range(mask.size(1)):  # all states at position t share a budget, so one generate call each
@@ -113,7 +113,7 @@ def main() -> None:
         cont = engine.generate([prompts[i] + resp[i][:t] for i in live], s)
         texts = tok.batch_decode([resp[live[j // args.k]][:t] + c[m].tolist() for j, (c, m) in enumerate(zip(cont.tokens, cont.mask))],
                                  skip_special_tokens=True)
-        r = score(task, texts, [answers[i] for i in live for _ in range(args.k)]).view(len(live), args.k).mean(-1)
+        r = score(task, texts, reward_columns(rows.select(live), args.k)).rewards.view(len(live), args.k).mean(-1)
         values[live, t] = r
     prompt_values = values[:, :1].expand_as(values)
     out = ceilings(values, prompt_values, returns, mask)

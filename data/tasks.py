@@ -1,47 +1,47 @@
 """Tasks: a train/test split of prompts with reference answers, plus the reward function.
 
-A prompt is the user message (the chat template is applied by the rollout engine); an answer is
-the exact string the completion must equal. All rewards here are single terminal rewards.
+A prompt is the user message, or a list of chat messages (the chat template is applied once, by
+encode_prompt); an answer is the reference string the reward compares with. All rewards here are single
+terminal rewards; data/rewards.py holds the built-ins and the loader of --reward.
 
     addition  "042+315" -> "0357"                          (5 response tokens with <|im_end|>)
     sort      "sort: 3 7 1 9 4 2 8 5" -> "1 2 3 4 5 7 8 9"  (16 response tokens: a longer horizon)
-    a file    your own {"prompt", "answer"} rows, JSONL or parquet, exact-match reward
+    your data a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder or a hub name (load_task)
 
-`get_task(name)` picks one by name or path.
+`get_task(name, ...)` picks one by name or path.
 """
 
+import csv
 import json
 import math
 import numbers
 import os
 import random
+import re
+import socket
+import urllib.parse
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable, NamedTuple
 
 import datasets
 import pyarrow.parquet
 import torch
+
+from data.rewards import exact, exact_match_reward  # noqa: F401  (exact_match_reward: re-exported)
 
 
 @dataclass
 class Task:
     name: str
     train: datasets.Dataset
-    """Columns `prompt` (str, the user message) and `answer` (str)."""
+    """Columns `prompt` (str, or a list of chat messages) and `answer` (str); file tasks keep their other columns."""
     test: datasets.Dataset
-    """Same columns as `train`, prompts disjoint from it. File tasks (load_task) have a third column in both,
-    `where` (str): the row's origin for error messages, e.g. "data.jsonl: row 17 (line 18)"."""
-    reward_fn: Callable[[list[str], list[str]], list[float]]
-    """(completions, answers) -> one float per completion."""
+    """Same columns as `train`, prompts disjoint from it. File tasks (load_task) also have `where` in both
+    (str): the row's origin for error messages, e.g. "data.jsonl: row 17 (line 18)"."""
+    reward_fn: Callable[..., list]
+    """fn(completions, *, prompts, answer, **columns) -> one float, None or dict per completion (data/rewards.py)."""
     max_new_tokens: int
     """Generation budget: the longest answer plus slack for <|im_end|> and near misses."""
-
-
-def exact_match_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 where the completion, stripped of surrounding whitespace, equals the answer, else 0.0."""
-    if len(completions) != len(answers):
-        raise ValueError(f"exact_match_reward: {len(completions)} completions but {len(answers)} answers")
-    return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
 
 
 def _dataset(rows: list[tuple[str, ...]], columns: tuple[str, ...] = ("prompt", "answer")) -> datasets.Dataset:
@@ -73,7 +73,7 @@ def addition_task(seed: int = 0, n_train: int = 20000, n_test: int = 3000) -> Ta
         return f"{a:03d}+{b:03d}", f"{a + b:04d}"
 
     train, test = _split_unique(make_example, n_train, n_test, seed)
-    return Task("addition", train, test, exact_match_reward, max_new_tokens=8)
+    return Task("addition", train, test, exact, max_new_tokens=8)
 
 
 def sort_task(seed: int = 0, n_train: int = 20000, n_test: int = 3000, n_numbers: int = 8, digits: int = 1) -> Task:
@@ -94,107 +94,278 @@ def sort_task(seed: int = 0, n_train: int = 20000, n_test: int = 3000, n_numbers
 
     train, test = _split_unique(make_example, n_train, n_test, seed)
     answer_tokens = (digits + 1) * n_numbers - 1
-    return Task("sort", train, test, exact_match_reward, max_new_tokens=answer_tokens + 8)
+    return Task("sort", train, test, exact, max_new_tokens=answer_tokens + 8)
+
+
+FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
+# Column names the project uses itself: a data column of that name would be overwritten or clash with a
+# reward argument.
+RESERVED = ("where", "prompts", "completions")
 
 
 def _read_rows(path: str) -> list[tuple[str, dict]]:
-    """(where, row) for each row of a .jsonl (one JSON object per line) or .parquet file, in file order.
-    `where` names the row for error messages: "row 2 (line 3)" for JSONL, "row 2" for parquet."""
+    """(where, row) for each row of a .jsonl / .json / .csv / .parquet file, in file order. `where` names the row
+    for error messages: "row 2 (line 3)" for JSONL (and .json holding JSON lines) and CSV, "row 2" otherwise."""
     ext = os.path.splitext(path)[1].lower()
+    if ext == ".json":  # a list of objects, or JSON lines under a .json name
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            data = None  # _read_json_lines names the line
+        except json.JSONDecodeError as e:
+            if "Extra data" not in e.msg:  # not several JSON values: a broken file
+                raise ValueError(f"{path}: not valid JSON: {e}") from None
+            data = None
+        if data is None or isinstance(data, dict):
+            return _read_json_lines(path)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: holds a JSON {type(data).__name__}, expected a list of objects like "
+                             "[{\"prompt\": ..., \"answer\": ...}] or one object per line")
+        for i, row in enumerate(data):
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: row {i} is a {type(row).__name__}, expected a JSON object like "
+                                 "{\"prompt\": ..., \"answer\": ...}")
+        return [(f"row {i}", row) for i, row in enumerate(data)]
     if ext == ".jsonl":
-        rows = []
-        with open(path, "rb") as f:  # bytes, so that a decoding error can name its line
-            for line_no, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{path}: line {line_no} is not valid UTF-8 ({e.reason} at byte {e.start} of the "
-                                     "line); the file must be UTF-8 encoded") from None
-                if not line.strip():
-                    continue
-                where = f"row {len(rows)} (line {line_no})"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: {where} is not valid JSON: {e}") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}: {where} is a {type(row).__name__}, "
-                                     "expected a JSON object like {\"prompt\": ..., \"answer\": ...}")
-                rows.append((where, row))
-        return rows
+        return _read_json_lines(path)
+    if ext == ".csv":
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                return [(f"row {i} (line {reader.line_num})", row) for i, row in enumerate(reader)]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}); the file must be UTF-8 encoded") from None
     if ext == ".parquet":
         # pyarrow directly: Dataset.from_parquet would also write a copy into the HF datasets cache.
         return [(f"row {i}", row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]
-    raise ValueError(f"{path}: unknown file type {ext!r}; use .jsonl (one JSON object per line) or .parquet")
+    raise ValueError(f"{path}: unknown file type {ext!r}; use {', '.join(FILE_TYPES)} or a datasets.save_to_disk folder")
 
 
-def load_task(path: str, *, prompt_field: str = "prompt", answer_field: str = "answer",
-              test_fraction: float = 0.1, seed: int = 0, max_new_tokens: int | None = None) -> Task:
-    """Your own prompts from a JSONL or parquet file, scored by exact match against `answer_field`.
+def _read_json_lines(path: str) -> list[tuple[str, dict]]:
+    rows = []
+    with open(path, "rb") as f:  # bytes, so that a decoding error can name its line
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: line {line_no} is not valid UTF-8 ({e.reason} at byte {e.start} of the "
+                                 "line); the file must be UTF-8 encoded") from None
+            if not line.strip():
+                continue
+            where = f"row {len(rows)} (line {line_no})"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: {where} is not valid JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: {where} is a {type(row).__name__}, "
+                                 "expected a JSON object like {\"prompt\": ..., \"answer\": ...}")
+            rows.append((where, row))
+    return rows
 
-    Every row needs a non-empty string prompt and a string answer; the first row that does not
-    have them raises a ValueError naming the file, the row index (0-based; and the line for JSONL)
-    and the field.
-    A prompt that occurs again is dropped after its first row, so no test prompt is in train: a repeat with
-    the same answer is dropped with a printed note, one with a different answer raises a ValueError naming
-    both rows.
-    The split is a seeded shuffle; `test_fraction` of the distinct prompts (at least one) become the test set.
-    `max_new_tokens` defaults to the longest answer in UTF-8 bytes + 8, an upper bound on its token
-    count for byte-level BPE tokenizers (every token covers at least one byte).
-    """
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"load_task: {path} is a directory, not a data file; give a .jsonl or .parquet file")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"load_task: no such file: {path}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"load_task: test_fraction must be in (0, 1), got {test_fraction}")
-    rows = _read_rows(path)
-    if len(rows) < 2:
-        raise ValueError(f"{path}: need at least 2 rows (one train, one test), found {len(rows)}")
-    first: dict[str, tuple[str, str]] = {}  # prompt -> (where, answer) of its first row
-    examples, n_repeats = [], 0
+
+def _pick_split(ds, name: str, split: str, flag: str):
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ValueError(f"{flag} {name}: no split {split!r}; it has {sorted(ds)}: choose one with "
+                             f"{'--split' if flag == '--task' else '--eval-split'}")
+        return ds[split], f"{name} (split {split})"
+    return ds, name
+
+
+def _load_hub(name: str, split: str, flag: str):
+    """datasets.load_dataset(name), failing in seconds with a clear message when the hub cannot be reached."""
+    hint = (f"{flag} {name!r} is not a file or folder here, so it was taken as a Hugging Face hub dataset, and {{why}}. "
+            "On a machine with access, save it with datasets.load_dataset(name).save_to_disk(folder) and pass the "
+            "folder, or give a .jsonl / .json / .csv / .parquet file")
+    if not datasets.config.HF_HUB_OFFLINE:  # probe first: an unreachable hub would otherwise retry for minutes
+        url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+        try:
+            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+        except OSError as e:
+            raise ValueError(hint.format(why=f"the hub ({url.geturl()}) cannot be reached from this machine ({e})")) from None
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as e:
+        why = "the hub is off (HF_HUB_OFFLINE) and it is not cached" if datasets.config.HF_HUB_OFFLINE else "loading it failed"
+        raise ValueError(hint.format(why=f"{why} ({type(e).__name__}: {e})")) from e
+
+
+def _read_source(name: str, split: str, flag: str) -> tuple[str, list[tuple[str, dict]]]:
+    """(label, [(where, row)]) of a data file, a datasets.save_to_disk folder (a Dataset, or a DatasetDict and
+    `split`) or a hub dataset name "owner/name"; the label names the source in error messages."""
+    if os.path.isdir(name):
+        if not any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
+            raise IsADirectoryError(f"{flag}: {name} is a directory, not a data file or a datasets.save_to_disk folder; "
+                                    f"give a {' / '.join(FILE_TYPES)} file or a folder written by save_to_disk")
+        ds, label = _pick_split(datasets.load_from_disk(name), name, split, flag)
+        return label, [(f"row {i}", row) for i, row in enumerate(ds.to_list())]
+    if name.lower().endswith(FILE_TYPES) or os.sep in name and not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"{flag}: no such file: {name}")
+        return name, _read_rows(name)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        ds, label = _pick_split(_load_hub(name, split, flag), name, split, flag)
+        return label, [(f"row {i}", row) for i, row in enumerate(ds.to_list())]
+    raise ValueError(f"unknown task {name!r}: choose one of {sorted(TASKS)} or give a {' / '.join(FILE_TYPES)} file, a "
+                     "datasets.save_to_disk folder or a hub dataset name owner/name")
+
+
+def _prompt_problem(p) -> str | None:
+    """Why `p` is not a prompt (a non-empty string, or a non-empty list of {"role", "content"} string dicts)."""
+    if isinstance(p, str):
+        return None if p.strip() else "is empty"
+    if not isinstance(p, list):
+        return (f"has type {type(p).__name__}, expected a string or a list of chat messages "
+                "[{\"role\": ..., \"content\": ...}]")
+    if not p:
+        return "is an empty list of messages"
+    for j, msg in enumerate(p):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+            return f"message {j} is {msg!r}, expected a dict with string 'role' and 'content'"
+    return None
+
+
+def prompt_key(p) -> str:
+    """A prompt as a dict key: the string itself, or a message list's JSON (so repeats and splits see equal prompts)."""
+    return p if isinstance(p, str) else json.dumps(p, sort_keys=True, ensure_ascii=False)
+
+
+def _kind(v) -> str:
+    return "number" if isinstance(v, numbers.Real) and not isinstance(v, bool) else type(v).__name__
+
+
+def _examples(label: str, rows: list[tuple[str, dict]], prompt_field: str, answer_field: str) -> list[dict]:
+    """Validated, deduplicated rows as dicts with "prompt", "answer", "where" and every other column. The first
+    problem raises a ValueError naming the source, the row and the field (load_task's docstring)."""
+    first: dict[str, tuple[str, str]] = {}  # prompt key -> (where, answer) of its first row
+    examples, n_repeats, kinds = [], 0, {}  # kinds: column -> (kind, where) of its first non-null value
     for where, row in rows:
         for field in (prompt_field, answer_field):
             if field not in row:
-                raise ValueError(f"{path}: {where} has no field {field!r} (it has {sorted(row)})")
+                raise ValueError(f"{label}: {where} has no field {field!r} (it has {sorted(row)})")
             if row[field] is None:
-                raise ValueError(f"{path}: {where} field {field!r} is null, expected a string")
-            if not isinstance(row[field], str):
-                raise ValueError(f"{path}: {where} field {field!r} has type {type(row[field]).__name__}, expected a string")
-        if not row[prompt_field].strip():
-            raise ValueError(f"{path}: {where} field {prompt_field!r} is empty")
+                raise ValueError(f"{label}: {where} field {field!r} is null, expected a string")
+        if not isinstance(row[answer_field], str):
+            raise ValueError(f"{label}: {where} field {answer_field!r} has type {type(row[answer_field]).__name__}, expected a string")
+        if why := _prompt_problem(row[prompt_field]):
+            raise ValueError(f"{label}: {where} field {prompt_field!r} {why}")
+        extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+        for k in extra:
+            if k in RESERVED + ("prompt", "answer"):
+                raise ValueError(f"{label}: column {k!r} clashes with a name the project uses ({', '.join(RESERVED)}, and "
+                                 f"'prompt' / 'answer', which --prompt-key {prompt_field} / --answer-key {answer_field} "
+                                 "are renamed to); rename that column")
+        for k, v in [("prompt", row[prompt_field]), *extra.items()]:
+            if v is not None:
+                kind = _kind(v)
+                seen = kinds.setdefault(k, (kind, where))
+                if seen[0] != kind:
+                    raise ValueError(f"{label}: {where} field {k!r} is a {kind}, but {seen[1]} has a {seen[0]}; a column "
+                                     "holds one type in every row")
         prompt, answer = row[prompt_field], row[answer_field]
-        if prompt in first:
-            first_where, first_answer = first[prompt]
+        key = prompt_key(prompt)
+        if key in first:
+            first_where, first_answer = first[key]
             if answer != first_answer:
-                raise ValueError(f"{path}: {where} repeats the prompt of {first_where} ({prompt!r}) with a different "
+                raise ValueError(f"{label}: {where} repeats the prompt of {first_where} ({prompt!r}) with a different "
                                  f"answer ({answer!r}, not {first_answer!r}); keep one answer per prompt")
             n_repeats += 1
             continue
-        first[prompt] = (where, answer)
-        examples.append((prompt, answer, f"{path}: {where}"))
+        first[key] = (where, answer)
+        examples.append({"prompt": prompt, "answer": answer, "where": f"{label}: {where}", **extra})
     if n_repeats:
-        print(f"load_task: {path}: dropped {n_repeats} duplicate rows (same prompt and answer as an earlier row)")
-    if len(examples) < 2:
-        raise ValueError(f"{path}: need at least 2 distinct prompts (one train, one test), found {len(examples)}")
+        print(f"load_task: {label}: dropped {n_repeats} duplicate rows (same prompt and answer as an earlier row)")
+    return examples
 
-    random.Random(seed).shuffle(examples)
-    n_test = min(len(examples) - 1, max(1, round(test_fraction * len(examples))))
+
+def _from_examples(label: str, examples: list[dict]) -> datasets.Dataset:
+    try:
+        return datasets.Dataset.from_list(examples)
+    except Exception as e:  # e.g. chat messages whose keys differ between rows
+        raise ValueError(f"{label}: its rows do not form one table ({type(e).__name__}: {e}); give every row the same "
+                         "fields, and every chat message the same keys") from e
+
+
+def load_task(path: str, *, prompt_field: str = "prompt", answer_field: str = "answer", test_fraction: float = 0.1,
+              seed: int = 0, max_new_tokens: int | None = None, split: str = "train", eval_path: str = "",
+              eval_split: str = "test", reward_fn: Callable | None = None) -> Task:
+    """Your own prompts from a file (.jsonl, .json, .csv, .parquet), a datasets.save_to_disk folder (`split` of a
+    DatasetDict) or a hub dataset name, scored by `reward_fn` (default: exact match against `answer_field`).
+
+    Every row needs a prompt, a non-empty string or a non-empty list of chat messages ({"role", "content"}
+    strings, a system prompt included), and a string answer; the first row that does not have them raises a
+    ValueError naming the file, the row index (0-based; and the line for JSONL and CSV) and the field. The two
+    columns are renamed to "prompt" and "answer"; every other column is kept (one type per column) and reaches
+    the reward by name; a column named like one of RESERVED, or "prompt" / "answer" when renamed from elsewhere,
+    is refused. Each row gets "where", its origin for error messages.
+    A prompt that occurs again is dropped after its first row, so no test prompt is in train: a repeat with
+    the same answer is dropped with a printed note, one with a different answer raises a ValueError naming
+    both rows (message prompts compare by their JSON).
+    Without `eval_path` the split is a seeded shuffle; `test_fraction` of the distinct prompts (at least one) become
+    the test set. With it, `eval_path` (same forms; `eval_split` of a DatasetDict) is the whole test set, and train
+    prompts that also occur there are dropped from train with a note.
+    `max_new_tokens` defaults to the longest answer in UTF-8 bytes + 8, an upper bound on its token
+    count for byte-level BPE tokenizers (every token covers at least one byte).
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"load_task: test_fraction must be in (0, 1), got {test_fraction}")
+    label, rows = _read_source(path, split, "--task")
+    examples = _examples(label, rows, prompt_field, answer_field)
+    if eval_path:
+        if not examples:
+            raise ValueError(f"{label}: no rows to train on")
+        test = eval_examples(eval_path, prompt_field=prompt_field, answer_field=answer_field, split=eval_split)
+        train = _drop_overlap(label, examples, test)
+    else:
+        if len(examples) < 2:
+            raise ValueError(f"{label}: need at least 2 distinct prompts (one train, one test), found {len(examples)}")
+        random.Random(seed).shuffle(examples)
+        n_test = min(len(examples) - 1, max(1, round(test_fraction * len(examples))))
+        train, test = examples[n_test:], examples[:n_test]
     if max_new_tokens is None:
-        max_new_tokens = max(len(a.encode("utf-8")) for _, a, _ in examples) + 8
-    name = os.path.splitext(os.path.basename(path))[0]
-    columns = ("prompt", "answer", "where")
-    return Task(name, _dataset(examples[n_test:], columns), _dataset(examples[:n_test], columns), exact_match_reward,
-                max_new_tokens)
+        max_new_tokens = max(len(e["answer"].encode("utf-8")) for e in train + test) + 8
+    name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+    return Task(name, _from_examples(label, train), _from_examples(eval_path or label, test), reward_fn or exact, max_new_tokens)
 
 
-def _chat_text(tok, text: str) -> str:
-    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+def eval_examples(path: str, *, prompt_field: str = "prompt", answer_field: str = "answer", split: str = "test") -> list[dict]:
+    """Every row of an --eval-task source (a built-in task's test split, or load_task's forms), validated."""
+    if path in TASKS:
+        return [{**r, "where": f"{path}: test row {i}"} for i, r in enumerate(TASKS[path]().test.to_list())]
+    label, rows = _read_source(path, split, "--eval-task")
+    examples = _examples(label, rows, prompt_field, answer_field)
+    if not examples:
+        raise ValueError(f"--eval-task {path}: no rows")
+    return examples
 
 
-def encode_prompt(tok, text: str) -> list[int]:
-    """Token ids of the chat-formatted user turn plus the assistant header (what the policy continues)."""
-    return tok(_chat_text(tok, text), add_special_tokens=False).input_ids
+def _drop_overlap(label: str, train: list[dict], test: list[dict]) -> list[dict]:
+    held_out = {prompt_key(e["prompt"]) for e in test}
+    kept = [e for e in train if prompt_key(e["prompt"]) not in held_out]
+    if len(kept) < len(train):
+        print(f"load_task: {label}: dropped {len(train) - len(kept)} train rows whose prompt is in the --eval-task set")
+    if not kept:
+        raise ValueError(f"{label}: every train prompt is also in the --eval-task set; nothing is left to train on")
+    return kept
+
+
+def _messages(prompt) -> list[dict]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{k: v for k, v in m.items() if v is not None} for m in prompt]  # a Dataset fills keys a message lacks with None
+
+
+def _chat_text(tok, prompt) -> str:
+    return tok.apply_chat_template(_messages(prompt), add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompt(tok, prompt) -> list[int]:
+    """Token ids of the chat-formatted prompt (a user message string, or a list of chat messages, system prompts
+    included) plus the assistant header: what the policy continues."""
+    return tok(_chat_text(tok, prompt), add_special_tokens=False).input_ids
 
 
 def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int) -> None:
@@ -216,42 +387,94 @@ def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int) -> Non
                          f"are too long, the longest prompt is {max(n for _, n in too_long)} tokens")
 
 
-def score(task: Task, completions: list[str], answers: list[str]) -> torch.Tensor:
-    """Run the task's reward function, refusing anything but one finite float per completion."""
+class Scores(NamedTuple):
+    rewards: torch.Tensor
+    """[N] float32; 0 where there is no reward."""
+    rewarded: torch.Tensor
+    """[N] bool: False where the reward function returned None (or a dict whose score is None)."""
+    extras: list[dict]
+    """Per sample, the keys of a returned dict other than "score" ({} for a plain number or None)."""
+
+    @classmethod
+    def of(cls, rewards: torch.Tensor) -> "Scores":
+        """Every sample rewarded, no extra keys."""
+        return cls(rewards.float(), torch.ones(len(rewards), dtype=torch.bool), [{} for _ in range(len(rewards))])
+
+
+def reward_columns(ds: datasets.Dataset, n: int = 1) -> dict[str, list]:
+    """The columns of `ds` a reward receives (all but `where`), each row repeated n times (n samples per prompt)."""
+    return {k: [v for v in ds[k] for _ in range(n)] for k in ds.column_names if k != "where"}
+
+
+def score(task: Task, completions: list[str], columns: dict[str, list]) -> Scores:
+    """Run the task's reward function on completions and the dataset columns aligned with them ("prompt" and
+    "answer" among them; reward_columns): fn(completions, prompts=, answer=, **other columns). Refuses anything
+    but one finite number, None or dict with "score" per completion, naming the function and the sample."""
     fn = getattr(task.reward_fn, "__name__", repr(task.reward_fn))
+    args = lambda rows: {"prompts": [columns["prompt"][i] for i in rows], "answer": [columns["answer"][i] for i in rows],  # noqa: E731
+                         **{k: [v[i] for i in rows] for k, v in columns.items() if k not in ("prompt", "answer")}}
+    for k, v in columns.items():
+        if len(v) != len(completions):
+            raise ValueError(f"score: column {k!r} has {len(v)} values for {len(completions)} completions")
     try:
-        rewards = task.reward_fn(completions, answers)
+        rewards = task.reward_fn(completions, **args(range(len(completions))))
     except Exception as e:
-        for i, (c, a) in enumerate(zip(completions, answers)):  # find the sample that breaks it
+        for i, c in enumerate(completions):  # find the sample that breaks it
             try:
-                task.reward_fn([c], [a])
+                task.reward_fn([c], **args([i]))
             except Exception:
-                raise RuntimeError(f"reward function {fn} raised on sample {i} (completion {c!r}, answer {a!r}): {e!r}") from e
+                raise RuntimeError(f"reward function {fn} raised on sample {i} (completion {c!r}, answer "
+                                   f"{columns['answer'][i]!r}): {e!r}") from e
         raise RuntimeError(f"reward function {fn} raised on the batch: {e!r}") from e
     n = len(rewards) if hasattr(rewards, "__len__") else None
     if n != len(completions):
         raise RuntimeError(f"reward function {fn} returned {type(rewards).__name__} of length {n} for {len(completions)} "
-                           "completions; it must return one float per completion")
+                           "completions; it must return one float, None or dict per completion")
     f32_max = torch.finfo(torch.float32).max
+    values, extras = [], []
     for i, r in enumerate(rewards):
+        extra = {}
+        if isinstance(r, dict):
+            if "score" not in r:
+                raise RuntimeError(f"reward function {fn} returned a dict without 'score' for sample {i} (completion "
+                                   f"{completions[i]!r}; keys {sorted(r)}); a dict needs 'score' (a number, or None)")
+            extra = {k: v for k, v in r.items() if k != "score"}
+            if "pred" in extra and not isinstance(extra["pred"], Hashable):
+                raise RuntimeError(f"reward function {fn} returned an unhashable 'pred' {extra['pred']!r} for sample {i}; "
+                                   "'pred' is voted on (maj@k): use a string, number or tuple")
+            r = r["score"]
+        extras.append(extra)
+        if r is None:
+            values.append(None)
+            continue
         # numpy scalars are Real too; an int is finite however large (math.isfinite would overflow on it)
         if not isinstance(r, numbers.Real) or not (isinstance(r, numbers.Integral) or math.isfinite(r)):
             raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}); "
-                               "rewards must be finite numbers")
+                               "rewards must be finite numbers (or None: no reward)")
         if abs(r) > f32_max:
             raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}), "
                                f"which is inf in float32 (|r| > {f32_max:.6g}); rewards must be finite in float32")
-    return torch.tensor([float(r) for r in rewards])
+        values.append(float(r))
+    rewarded = torch.tensor([v is not None for v in values], dtype=torch.bool)
+    return Scores(torch.tensor([0.0 if v is None else v for v in values]), rewarded, extras)
 
 
 TASKS = {"addition": addition_task, "sort": sort_task}
 
 
-def get_task(name: str) -> Task:
-    """A built-in task by name ("addition", "sort") or a user file (.jsonl / .parquet) by path."""
+def get_task(name: str, *, split: str = "train", prompt_key: str = "prompt", answer_key: str = "answer",
+             reward_fn: Callable | None = None, eval_task: str = "", eval_split: str = "test") -> Task:
+    """A built-in task by name ("addition", "sort") or your data (load_task's forms), with `reward_fn` (default:
+    exact match) and, if given, `eval_task` as the whole held-out set."""
     if name in TASKS:
-        return TASKS[name]()
-    if name.lower().endswith((".jsonl", ".parquet")):
-        return load_task(name)
-    raise ValueError(f"unknown task {name!r}: choose one of {sorted(TASKS)} or give a path to a "
-                     ".jsonl / .parquet file with 'prompt' and 'answer' fields")
+        task = TASKS[name]()
+        if reward_fn is not None:
+            task.reward_fn = reward_fn
+        if eval_task:
+            test = eval_examples(eval_task, prompt_field=prompt_key, answer_field=answer_key, split=eval_split)
+            train = _drop_overlap(name, task.train.to_list(), test)
+            task.train, task.test = datasets.Dataset.from_list(train), _from_examples(eval_task, test)
+            task.max_new_tokens = max(task.max_new_tokens, max(len(e["answer"].encode("utf-8")) for e in test) + 8)
+        return task
+    return load_task(name, prompt_field=prompt_key, answer_field=answer_key, split=split, eval_path=eval_task,
+                     eval_split=eval_split, reward_fn=reward_fn)

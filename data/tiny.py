@@ -163,7 +163,7 @@ def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4,
         model.eval()
         completions = greedy_completions(model, tok, val["prompt"], task.max_new_tokens)
         model.train()
-        return sum(task.reward_fn(completions, val["answer"])) / n_eval
+        return sum(task.reward_fn(completions, prompts=val["prompt"], answer=val["answer"])) / n_eval
 
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)

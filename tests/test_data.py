@@ -134,8 +134,8 @@ def test_load_task(tmp_path, ext):
     assert task.test.to_list() == load_task(path, test_fraction=0.25, seed=0).test.to_list()
     assert task.test.to_list() != load_task(path, test_fraction=0.25, seed=1).test.to_list()
     assert task.max_new_tokens == len("a19") + 8
-    assert task.reward_fn(["a1", "a2"], ["a1", "a1"]) == [1.0, 0.0]
-    assert get_task(path).train.column_names == ["prompt", "answer", "where"]
+    assert task.reward_fn(["a1", "a2"], prompts=["q1", "q1"], answer=["a1", "a1"]) == [1.0, 0.0]
+    assert get_task(path).train.column_names == ["prompt", "answer", "where", "extra"]  # other columns are kept
     for r in rows:  # each row still names its file row after the shuffle
         i = int(r["prompt"][1:])
         assert r["where"] == f"{path}: row {i}" + (f" (line {i + 1})" if ext == "jsonl" else "")
@@ -174,9 +174,9 @@ def test_load_task_bad_inputs(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"prompt": "q", "answer": "a"}\n\n{"prompt": \n')
     with pytest.raises(ValueError, match=r"row 1 \(line 3\) is not valid JSON"):  # blank lines are skipped
         load_task(str(tmp_path / "x.jsonl"))
-    (tmp_path / "x.csv").write_text("prompt,answer\n")
-    with pytest.raises(ValueError, match="unknown file type '.csv'"):
-        load_task(str(tmp_path / "x.csv"))
+    (tmp_path / "x.txt").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match="unknown file type '.txt'"):
+        load_task(str(tmp_path / "x.txt"))
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_task(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match=r"unknown task 'subtraction': choose one of \['addition', 'sort'\]"):
@@ -245,15 +245,18 @@ def test_score_refuses_float32_overflow():
     ds = datasets.Dataset.from_dict({"prompt": ["p"], "answer": ["a"]})
 
     def task(rewards):
-        return Task("t", ds, ds, lambda completions, answers: rewards, 4)
+        return Task("t", ds, ds, lambda completions, **columns: rewards, 4)
 
+    cols = lambda n: {"prompt": ["p"] * n, "answer": ["a"] * n}  # noqa: E731
     with pytest.raises(RuntimeError, match=r"returned 1e\+39 for sample 1 \(completion 'b'\), which is inf in float32"):
-        score(task([0.0, 1e39]), ["a", "b"], ["a", "a"])
+        score(task([0.0, 1e39]), ["a", "b"], cols(2))
     with pytest.raises(RuntimeError, match="which is inf in float32"):  # an int too large for math.isfinite
-        score(task([10**400]), ["a"], ["a"])
+        score(task([10**400]), ["a"], cols(1))
     with pytest.raises(RuntimeError, match=r"returned -inf for sample 0 \(completion 'a'\); rewards must be finite numbers"):
-        score(task([float("-inf")]), ["a"], ["a"])
-    rewards = score(task([-3e38, 2**100]), ["a", "b"], ["a", "a"])  # finite in float32: they pass
+        score(task([float("-inf")]), ["a"], cols(1))
+    with pytest.raises(RuntimeError, match=r"returned inf for sample 0 .* rewards must be finite"):  # also inside a dict
+        score(task([{"score": float("inf")}]), ["a"], cols(1))
+    rewards = score(task([-3e38, 2**100]), ["a", "b"], cols(2)).rewards  # finite in float32: they pass
     assert torch.isfinite(rewards).all() and rewards.tolist() == torch.tensor([-3e38, 2.0**100]).tolist()
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data.tasks import Task, exact_match_reward, score
+from data.tasks import Scores, Task, score
 import datasets
+from data.rewards import exact
 from train_ppo import Config, main, resolve
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,25 +70,29 @@ def _task(fn):
     return Task("t", ds, ds, fn, 4)
 
 
+def _cols(answers):
+    return {"prompt": ["p"] * len(answers), "answer": answers}
+
+
 def test_reward_function_errors_name_function_and_sample():
-    def picky(completions, answers):
+    def picky(completions, **_):
         return [1 / (c != "boom") for c in completions]
 
     with pytest.raises(RuntimeError, match=r"picky raised on sample 1 \(completion 'boom'"):
-        score(_task(picky), ["ok", "boom"], ["x", "y"])
+        score(_task(picky), ["ok", "boom"], _cols(["x", "y"]))
 
-    def nan_reward(completions, answers):
+    def nan_reward(completions, **_):
         return [float("nan")] * len(completions)
 
     with pytest.raises(RuntimeError, match="nan_reward returned nan for sample 0"):
-        score(_task(nan_reward), ["a"], ["b"])
+        score(_task(nan_reward), ["a"], _cols(["b"]))
 
-    def short(completions, answers):
+    def short(completions, **_):
         return [1.0]
 
     with pytest.raises(RuntimeError, match="short returned list of length 1 for 2 completions"):
-        score(_task(short), ["a", "b"], ["a", "b"])
-    torch.testing.assert_close(score(_task(exact_match_reward), ["b ", "c"], ["b", "b"]), torch.tensor([1.0, 0.0]))
+        score(_task(short), ["a", "b"], _cols(["a", "b"]))
+    torch.testing.assert_close(score(_task(exact), ["b ", "c"], _cols(["b", "b"])).rewards, torch.tensor([1.0, 0.0]))
 
 
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
@@ -95,7 +100,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch)
     the run stops with a clear message after max_bad_steps in a row, before any checkpoint is written."""
     import train_ppo
 
-    huge = lambda task, completions, answers: torch.tensor([3e38 if i % 2 else -3e38 for i in range(len(completions))])  # noqa: E731
+    huge = lambda task, completions, columns: Scores.of(torch.tensor([3e38 if i % 2 else -3e38 for i in range(len(completions))]))  # noqa: E731
     monkeypatch.setattr(train_ppo, "score", huge)
     with pytest.raises(RuntimeError, match="2 consecutive policy updates had a non-finite loss or gradient"):
         main(small(tmp_path, algo="grpo", grpo_std=False, steps=5, max_bad_steps=2, eval_size=8))

@@ -1,0 +1,152 @@
+"""Reward functions (`--reward`) and the evaluation metrics over their results (pass@k, maj@k).
+
+One signature for every reward, built-in or yours:
+
+    fn(completions, *, prompts, answer, **columns) -> list[float | None | dict]
+
+`completions` are the decoded responses; `prompts` the prompts as the data holds them (a string, or a list
+of chat messages); `answer` the reference answers; every other dataset column arrives by name as a list
+aligned with `completions` (the internal `where` column is not passed). One item per completion:
+
+    a number   the reward (finite in float32)
+    None       no reward for this sample: it is left out of training (docs/algorithms.md, section 3)
+    a dict     {"score": number or None, ...}: numeric extra keys are logged as reward/<key>; "pred" (any
+               hashable) is the sample's final answer, used for majority voting (maj@k)
+
+`load_reward(spec)` resolves a --reward value: "" or "exact" (the default exact match), "math",
+"path/to/file.py:function" or "package.module:function".
+"""
+
+import functools
+import importlib
+import importlib.util
+import math
+import os
+import re
+import sys
+from collections import Counter
+from typing import Callable, Hashable
+
+
+def exact_match_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 where the completion, stripped of surrounding whitespace, equals the answer, else 0.0."""
+    if len(completions) != len(answers):
+        raise ValueError(f"exact_match_reward: {len(completions)} completions but {len(answers)} answers")
+    return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
+
+
+def exact(completions: list[str], *, answer: list[str], **columns) -> list[float]:
+    """The default reward: exact match of the stripped completion against the answer column."""
+    return exact_match_reward(completions, answer)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: the content of its last \\boxed{...} (braces matched), else its last
+    number (commas between digit groups removed), else None."""
+    start = text.rfind("\\boxed{")
+    if start >= 0:
+        depth, i = 0, start + len("\\boxed")
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i + 1 : j].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+@functools.cache
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError:
+        raise ImportError("--reward math needs the math-verify package: pip install 'math-verify==0.9.0'") from None
+    math_verify.parse("$1$", parsing_timeout=None)  # first call builds the LaTeX parser (seconds): not under a timeout
+    return math_verify
+
+
+def math_reward(completions: list[str], *, answer: list[str], **columns) -> list[dict]:
+    """1.0 where the completion's final answer (extract_answer) is mathematically equal to the answer column,
+    checked by math-verify (1/2 = 0.5 = \\frac{1}{2}, 3 = 3.0), else 0.0; "pred" is the extracted answer string
+    (None when there is none), so equal strings vote together in maj@k."""
+    mv = _math_verify()
+    out = []
+    for c, a in zip(completions, answer, strict=True):
+        pred = extract_answer(c)
+        ok = pred is not None and mv.verify(mv.parse(f"${a}$"), mv.parse(f"${pred}$"))
+        out.append({"score": float(ok), "pred": pred})
+    return out
+
+
+BUILTIN = {"exact": exact, "math": math_reward}
+SPEC_FORMS = "'' or 'exact' (exact match), 'math', 'path/to/file.py:function' or 'package.module:function'"
+
+
+@functools.cache
+def load_reward(spec: str) -> Callable:
+    """The reward function a --reward value names (see the module docstring). Every problem, a bad form, a
+    missing file or module, one that fails to import, a missing or non-callable function, is a ValueError
+    naming --reward and what was wrong. Cached, so a file is executed once per process."""
+    if spec in ("", "exact"):
+        return exact
+    if spec == "math":
+        try:
+            _math_verify()
+        except ImportError as e:
+            raise ValueError(str(e)) from None
+        return math_reward
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"--reward {spec!r} is not a reward: give {SPEC_FORMS}")
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.isfile(where):
+            raise ValueError(f"--reward {spec!r}: no such file {where!r}")
+        mod_name = "reward_" + re.sub(r"\W", "_", os.path.abspath(where))
+        mspec = importlib.util.spec_from_file_location(mod_name, where)
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules[mod_name] = module  # so dataclasses and pickling inside the file work
+        try:
+            mspec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[mod_name]
+            raise ValueError(f"--reward {spec!r}: running {where} raised {e!r}") from e
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise ValueError(f"--reward {spec!r}: cannot import module {where!r} ({e!r}); give a module on the Python path "
+                             "or a path to a .py file") from e
+    if not hasattr(module, name):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ValueError(f"--reward {spec!r}: {where} has no function {name!r} (its callables: {', '.join(found) or 'none'})")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise ValueError(f"--reward {spec!r}: {where}:{name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+# ----------------------------------------------------------------------------- evaluation metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k),
+    computed as 1 - prod_{i=n-c+1}^{n} (1 - k / i), which never forms the (huge) binomials."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority_correct(preds: list[Hashable | None], rewards: list[float], k: int) -> bool:
+    """maj@k of one problem: the most frequent pred among the first k samples (a None pred does not vote; ties go
+    to the pred seen first) is correct when the first of those samples with that pred has reward > 0. No vote at
+    all is incorrect."""
+    votes = Counter(p for p in preds[:k] if p is not None)
+    if not votes:
+        return False
+    top = max(votes.values())
+    first = next(i for i, p in enumerate(preds[:k]) if p is not None and votes[p] == top)  # first occurrence wins ties
+    return rewards[first] > 0
