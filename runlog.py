@@ -248,7 +248,8 @@ def latest_checkpoint(out_dir: str) -> str | None:
 
 def lock_run_dir(out_dir: str):
     """Hold an exclusive lock on the run folder while this process lives (the OS drops it on any exit, kill -9
-    included); a second live run into the same folder is refused. Returns the open lock file: keep it."""
+    included); a second live run into the same folder is refused. Returns the open lock file: keep it. (flock:
+    on a network filesystem without flock support two runs may not exclude each other.)"""
     os.makedirs(out_dir, exist_ok=True)
     f = open(os.path.join(out_dir, ".lock"), "a+")
     try:
