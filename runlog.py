@@ -328,7 +328,7 @@ def save_checkpoint(out_dir: str, step: int, rank: int, world_size: int, keep: i
 
 def load_trainer_state(ckpt: str, rank: int, world_size: int, optimizers: dict) -> dict:
     """Restore this rank's optimizer and RNG states; returns the saved dict (step and extras). The caller has
-    checked that the launch matches (train_ppo.check_resume)."""
+    checked that the launch matches (config.check_resume)."""
     state = torch.load(os.path.join(ckpt, f"trainer_rank{rank}.pt"), weights_only=False)
     for k, opt in optimizers.items():
         _load_optimizer_state(opt, state["optimizers"][k])

@@ -1,0 +1,296 @@
+"""The run's options (Config, one field per command-line flag) and every check that runs before any model
+loads: resolve (the options against each other and the world), check_resume (a resume against the recorded
+run) and check_model (the model folder and every data row). train_ppo.py re-exports all of them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from data.rewards import load_reward
+from data.tasks import check_lengths
+from parallel import check_tp, print0
+from rollout import SUPPORTED_MODEL_TYPES, Sampling
+from runlog import safetensors_problem
+
+
+@dataclass
+class Config:
+    """IcePop PPO (or GRPO) on a causal LM; each field's default is the project's (README, "The recipe")."""
+
+    # run
+    model: str = ""
+    """Hugging Face model folder; empty = the embedded tiny model, built and warmed up on first use."""
+    task: str = "addition"
+    """'addition', 'sort', or your data: a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder or a
+    hub dataset name owner/name, with a prompt (a string or a list of chat messages) and an answer per row (the
+    default model is warmed up on sort for 'sort', on addition otherwise)."""
+    split: str = "train"
+    """The split of --task when it is a DatasetDict folder or a hub dataset."""
+    prompt_key: str = "prompt"
+    """The column of --task (and --eval-task) that holds the prompt."""
+    answer_key: str = "answer"
+    """The column of --task (and --eval-task) that holds the reference answer."""
+    reward: str = ""
+    """Reward: '' = the task's default (exact match), 'exact', 'math' (final answer checked by math-verify),
+    'path/to/file.py:function' or 'package.module:function' (README, "Bring your own reward, data and evaluation")."""
+    out_dir: str = "outputs/run"
+    """Run folder: config.json, metrics.jsonl, plots/, checkpoints/. An existing run there is resumed."""
+    steps: int = 100
+    """Policy steps (a critic warm-up step counts as a step)."""
+    seed: int = 0
+    """Seed of everything: data order, sampling, minibatch shuffles."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms: bit-exact resume on CPU."""
+    # algorithm
+    algo: Literal["ppo", "grpo"] = "ppo"
+    """ppo: critic + token-level GAE. grpo: group-relative advantages, no critic."""
+    correction: Literal["icepop", "tis", "geo", "dis", "none"] = "icepop"
+    """Train-inference mismatch correction: IcePop token masking, truncated IS, geometric sequence mask, DIS loss, none."""
+    icepop_low: float = 0.5
+    """IcePop band lower bound alpha on k = pi_old / pi_infer (also the geo mask's)."""
+    icepop_high: float = 2.0
+    """IcePop band upper bound beta (GLM-5: 2; Ring-1T: 5)."""
+    tis_cap: float = 2.0
+    """TIS weight cap C."""
+    drop_masked_from_denominator: bool = False
+    """verl's rejection form: tokens the correction zeroes also leave the loss denominator."""
+    kl: Literal["none", "k1-reward", "k3-loss"] = "none"
+    """KL to the frozen initial policy: none (GLM-5), a k1 penalty in the reward, or a k3 loss term."""
+    kl_coef: float = 0.01
+    """KL coefficient when kl != none."""
+    gamma: float = 1.0
+    """Discount."""
+    lam_policy: float = 0.95
+    """GAE lambda of the policy's advantages (decoupled from the critic's, VC-PPO)."""
+    lam_critic: float = 1.0
+    """GAE lambda of the critic's targets."""
+    adaptive_lambda: float = 0.0
+    """> 0: length-adaptive policy lambda = 1 - 1/(alpha L) with this alpha (VAPO 0.05)."""
+    whiten_advantages: bool = True
+    """Whiten PPO advantages over the global batch."""
+    grpo_std: bool = True
+    """GRPO: divide by the group std (False = Dr. GRPO)."""
+    clip_low: float = 0.2
+    """PPO clip epsilon below 1 (also DIS's band)."""
+    clip_high: float = 0.28
+    """PPO clip epsilon above 1 (DAPO clip-higher)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c (> 1, e.g. 3); 0 = off."""
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """Loss aggregation over tokens."""
+    # batch and optimisation
+    rollout_batch: int = 64
+    """Completions per step over all ranks."""
+    n_samples: int = 0
+    """Samples per prompt; 0 = 1 for ppo (individual rollouts), 4 for grpo."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    minibatches: int = 1
+    """Optimiser steps per epoch."""
+    micro_batch: int = 64
+    """Rows per forward/backward (gradient accumulation; the loss denominator stays global)."""
+    lr: float = 2e-4
+    """Policy learning rate (AdamW)."""
+    critic_lr: float = 0.0
+    """Critic learning rate; 0 = 5x lr."""
+    critic_updates: int = 2
+    """Critic optimiser passes per policy update (SAO: 2)."""
+    critic_pretrain: int = 100
+    """PPO: at most this many critic-only steps on the frozen start policy before step 1 (not counted in --steps;
+    they stop earlier when explained variance plateaus); 0 = off."""
+    freeze_critic_attention: bool = False
+    """SAO's frozen-attention critic."""
+    value_clip: float = 0.2
+    """Value clipping epsilon; 0 = off."""
+    value_scale: float = 0.5
+    """Value-loss coefficient."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (policy and critic separately)."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive updates with a non-finite loss or gradient."""
+    # sampling and engine
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs use the same)."""
+    top_k: int = 0
+    """Top-k sampling, applied identically by engine and trainer; 0 = off."""
+    top_p: float = 1.0
+    """Top-p sampling, applied identically by engine and trainer; 1.0 = off."""
+    max_new_tokens: int = 0
+    """0 = the task's budget."""
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """Rollout engine."""
+    engine_dtype: Literal["fp32", "bf16", "fp8", "int4"] = "bf16"
+    """Engine weights: fp32, bf16, fp8 (per-channel) or int4 (weight-only, groups of 32) fake-quantised decoder
+    Linears over bf16 compute; the trainer is fp32, so all but fp32 create the mismatch IcePop corrects."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """Engine KV cache: auto = the engine's compute dtype; fp8 = float8_e4m3 keys and values (scale 1)."""
+    tp: int = 1
+    """Tensor-parallel ranks per replica (data parallel = world size / tp)."""
+    # outputs
+    eval_every: int = 20
+    """Held-out evaluation (greedy and sampled accuracy) every N steps, and before and after the run."""
+    eval_size: int = 500
+    """Held-out problems per evaluation."""
+    eval_task: str = ""
+    """A separate held-out set (the forms of --task; its prompts are dropped from train); '' = a seeded split of --task."""
+    eval_split: str = "test"
+    """The split of --eval-task when it is a DatasetDict folder or a hub dataset."""
+    eval_samples: int = 1
+    """Sampled completions per held-out problem; n > 1 adds eval/mean@n, eval/pass@k and eval/maj@k (k = 1, 2, 4, ... <= n)."""
+    eval_dtype: Literal["engine", "fp32"] = "engine"
+    """Evaluate with the rollout engine, or with an fp32 embedded copy of the policy (the trainer's numbers, so
+    quantised-rollout runs are judged on the policy they trained; a second copy of the weights)."""
+    save_every: int = 50
+    """Checkpoint every N steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs wandb installed)."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (needs tensorboard installed)."""
+
+
+def resolve(cfg: Config, world_size: int) -> dict:
+    """Validate the config against the world and derive the per-rank sizes, before any expensive work."""
+    errors = []
+    if world_size % cfg.tp:
+        errors.append(f"--tp {cfg.tp} does not divide the {world_size} processes")
+    dp = max(world_size // cfg.tp, 1)
+    n = cfg.n_samples or (4 if cfg.algo == "grpo" else 1)
+    if cfg.algo == "grpo" and n < 2:
+        errors.append("--algo grpo needs --n-samples >= 2 (a group of one has no baseline)")
+    if cfg.rollout_batch % (n * dp):
+        errors.append(f"--rollout-batch {cfg.rollout_batch} must split into groups of {n} samples over {dp} data-parallel ranks")
+    rows = cfg.rollout_batch // dp
+    if rows % cfg.minibatches or rows < cfg.minibatches:
+        errors.append(f"{rows} rows per rank do not split into --minibatches {cfg.minibatches}")
+    if cfg.kl != "none" and cfg.kl_coef <= 0:
+        errors.append(f"--kl {cfg.kl} needs --kl-coef > 0")
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        errors.append(f"--dual-clip must be > 1 (or 0 = off), got {cfg.dual_clip}")
+    if not 0 < cfg.icepop_low < 1 < cfg.icepop_high:
+        errors.append(f"the IcePop band must satisfy 0 < low < 1 < high, got [{cfg.icepop_low}, {cfg.icepop_high}]")
+    if cfg.critic_pretrain < 0:
+        errors.append(f"--critic-pretrain must be >= 0 (0 = off), got {cfg.critic_pretrain}")
+    for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_size", "eval_samples"):
+        if getattr(cfg, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < cfg.clip_low < 1 or not 0 < cfg.clip_high:
+        errors.append(f"--clip-low must be in (0, 1) and --clip-high > 0, got {cfg.clip_low} and {cfg.clip_high}")
+    ranges = {"lr": (cfg.lr, cfg.lr > 0, "> 0"), "critic-lr": (cfg.critic_lr, cfg.critic_lr >= 0, ">= 0 (0 = 5 x --lr)"),
+              "max-grad-norm": (cfg.max_grad_norm, cfg.max_grad_norm > 0, "> 0 (0 would zero every update)"), "gamma": (cfg.gamma, 0 < cfg.gamma <= 1, "in (0, 1]"), "lam-policy": (cfg.lam_policy, 0 <= cfg.lam_policy <= 1, "in [0, 1]"),
+              "lam-critic": (cfg.lam_critic, 0 <= cfg.lam_critic <= 1, "in [0, 1]"), "adaptive-lambda": (cfg.adaptive_lambda, cfg.adaptive_lambda >= 0, ">= 0"),
+              "kl-coef": (cfg.kl_coef, cfg.kl_coef >= 0, ">= 0"), "tis-cap": (cfg.tis_cap, cfg.tis_cap > 0, "> 0"),
+              "value-clip": (cfg.value_clip, cfg.value_clip >= 0, ">= 0 (0 = off)"), "value-scale": (cfg.value_scale, cfg.value_scale > 0, "> 0")}
+    errors += [f"--{flag} must be a finite number {want}, got {v}" for flag, (v, ok, want) in ranges.items() if not (ok and math.isfinite(v))]
+    if cfg.n_samples < 0 or cfg.max_new_tokens < 0:
+        errors.append(f"--n-samples and --max-new-tokens must be >= 0 (0 = the default), got {cfg.n_samples} and {cfg.max_new_tokens}")
+    try:  # the sampling values the engines check, here before any work, named by their flags
+        Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or 1, (), max(n, 1), cfg.seed)
+    except ValueError as e:
+        errors.append(re.sub(r"Sampling\.(\w+)", lambda x: "--" + x.group(1).replace("_", "-"), str(e)))
+    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
+        errors.append(f"--out-dir {cfg.out_dir!r} exists and is not a folder")
+    else:
+        parent = cfg.out_dir
+        while not os.path.exists(parent):
+            parent = os.path.dirname(os.path.abspath(parent))
+        if not os.access(parent, os.W_OK | os.X_OK):
+            errors.append(f"--out-dir {cfg.out_dir!r}: {parent!r} is not writable")
+    if cfg.model and not os.path.isfile(os.path.join(cfg.model, "config.json")):
+        errors.append(f"--model {cfg.model!r} is not a Hugging Face model folder (no config.json); hub names must be downloaded first")
+    if cfg.engine == "sglang":
+        if cfg.engine_dtype in ("fp8", "int4"):
+            errors.append(f"--engine sglang takes --engine-dtype fp32 or bf16 ({cfg.engine_dtype} fake-quantised weights are the "
+                          "embedded engine's; SGLang 0.5.23 has no on-the-fly weight quantisation that update_weights can refresh)")
+        if cfg.kv_cache_dtype == "fp8" and not torch.cuda.is_available():
+            errors.append("--kv-cache-dtype fp8 with --engine sglang needs CUDA (SGLang's CPU mode has no fp8 KV cache "
+                          "with its torch_native attention)")
+        try:
+            import sglang  # noqa: F401
+        except ImportError as e:
+            errors.append(f"--engine sglang needs SGLang installed (see README, 'SGLang'): {e}")
+    for flag in ("split", "prompt_key", "answer_key", "eval_split"):
+        if not getattr(cfg, flag).strip():
+            errors.append(f"--{flag.replace('_', '-')} must not be empty")
+    if cfg.prompt_key == cfg.answer_key:
+        errors.append(f"--prompt-key and --answer-key must name different columns, both are {cfg.prompt_key!r}")
+    if cfg.eval_task and cfg.eval_task == cfg.task and cfg.eval_split == cfg.split:
+        errors.append(f"--eval-task {cfg.eval_task!r} is --task with the same split: the held-out set would be the train set")
+    try:  # runs a reward file's top level: its errors are named here, before any work
+        load_reward(cfg.reward)
+    except ValueError as e:
+        errors.append(str(e))
+    for flag, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
+            errors.append(f"--{flag} needs the {module} package: pip install {module}")
+    if errors:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
+    return {"dp": dp, "n": n, "rows": rows, "prompts": rows // n, "critic_lr_used": cfg.critic_lr or 5 * cfg.lr}
+
+
+# What a resume may change: options that do not change what the run means (its length, evaluation, logging,
+# checkpointing) and the learning rates, applied for real to the optimisers (to resume after a blow-up).
+RESUMABLE = ("steps", "eval_every", "eval_size", "eval_dtype", "eval_task", "eval_split", "eval_samples", "save_every",
+             "keep_checkpoints", "wandb", "tensorboard", "lr", "critic_lr", "max_bad_steps", "deterministic")
+
+
+def check_resume(cfg: Config, ckpt: str, world_size: int) -> dict:
+    """Compare this run's options with those recorded in the run folder; refuse, naming them, the changes a
+    resume cannot honour; return the accepted ones as {name: [old, new]}."""
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        meta = json.load(f)
+    if meta["world_size"] != world_size:
+        raise ValueError(f"checkpoint {ckpt} was written by {meta['world_size']} processes, this run has {world_size}; resume with the same launch")
+    path = os.path.join(cfg.out_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing, so a resume cannot check that its options match the run's; restore it or use a new --out-dir")
+    with open(path) as f:
+        recorded = json.load(f)["config"]
+    changed = {k: [recorded[k], v] for k, v in asdict(cfg).items() if k in recorded and recorded[k] != v}
+    refused = [f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items() if k not in RESUMABLE]
+    if cfg.steps < meta["step"]:
+        refused.append(f"--steps {cfg.steps} is below the checkpoint's step {meta['step']}")
+    if refused:
+        raise ValueError(f"--out-dir {cfg.out_dir} holds a run (checkpoint at step {meta['step']}) that this resume would change: "
+                         + "; ".join(refused) + f". Resume with the recorded options, or use a new --out-dir. A resume may change only "
+                         + ", ".join("--" + k.replace("_", "-") for k in RESUMABLE))
+    if changed:
+        print0(f"resume: applying changed options {changed}")
+    return changed
+
+
+def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
+    """What can be checked of the model folder and the data without loading weights; returns the tokenizer."""
+    name = f"--model {path}" if cfg.model else f"the default model {path}"
+    mc = AutoConfig.from_pretrained(path)
+    if mc.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{name}: model type {mc.model_type!r} is not supported (the engine, the TP plan and the critic "
+                         f"implement {', '.join(SUPPORTED_MODEL_TYPES)})")
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+        raise ValueError(f"{name} has no tokenizer files (none of {', '.join(files)}); save one there with tokenizer.save_pretrained")
+    if bad := safetensors_problem(path):
+        raise ValueError(f"{name}: {bad}")
+    if cfg.tp > 1:  # the head counts against --tp, on a weightless copy
+        with torch.device("meta"):
+            check_tp(AutoModelForCausalLM.from_config(mc), cfg.tp)
+    tok = AutoTokenizer.from_pretrained(path)
+    if len(tok) > mc.vocab_size:
+        raise ValueError(f"{name}: the tokenizer has {len(tok)} tokens but the model's vocabulary only {mc.vocab_size}")
+    if tok.eos_token_id is None or not tok.chat_template:
+        raise ValueError(f"{name}: the tokenizer needs an EOS token and a chat template (responses stop at EOS; prompts are chat turns)")
+    new = cfg.max_new_tokens or task.max_new_tokens
+    if new >= mc.max_position_embeddings:
+        raise ValueError(f"--max-new-tokens {new} leaves no room for a prompt in the model's context of {mc.max_position_embeddings} tokens")
+    check_lengths(task, tok, mc.max_position_embeddings, new)  # every data row, naming the file row
+    return tok
