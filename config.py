@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from agent import load_env
 from data.rewards import load_reward
 from data.tasks import check_lengths
 from parallel import check_tp, print0
@@ -39,6 +40,15 @@ class Config:
     """The column of --task (and --eval-task) that holds the prompt."""
     answer_key: str = "answer"
     """The column of --task (and --eval-task) that holds the reference answer."""
+    env: str = ""
+    """Multi-turn: your environment class, 'path/to/file.py:Class' or 'package.module:Class' (reset(row) -> first user
+    message, step(text) -> (observation or None, reward, done); README, "Multi-turn rollouts"), played on the rows of
+    --task. '' = none (--task guess is multi-turn on its own)."""
+    max_turns: int = 0
+    """Multi-turn: turns per episode; 0 = the task's (guess: 6) or 8 with --env."""
+    compact_at: int = 0
+    """Multi-turn context compaction: once a row's context would pass this many tokens, the policy is asked for a summary
+    and the episode goes on in a new row from the task plus the summary; 0 = off."""
     reward: str = ""
     """Reward: '' = the task's default (exact match), 'exact', 'math' (final answer checked by math-verify),
     'path/to/file.py:function' or 'package.module:function' (README, "Bring your own reward, data and evaluation")."""
@@ -230,6 +240,21 @@ def resolve(cfg: Config, world_size: int) -> dict:
         load_reward(cfg.reward)
     except ValueError as e:
         errors.append(str(e))
+    multi_turn = bool(cfg.env) or cfg.task == "guess"
+    if cfg.env:
+        try:
+            load_env(cfg.env)
+        except ValueError as e:
+            errors.append(str(e))
+    if cfg.max_turns < 0 or cfg.compact_at < 0:
+        errors.append(f"--max-turns and --compact-at must be >= 0 (0 = the default / off), got {cfg.max_turns} and {cfg.compact_at}")
+    if not multi_turn and (cfg.max_turns or cfg.compact_at):
+        errors.append("--max-turns and --compact-at apply to multi-turn tasks: give --env (or --task guess)")
+    if multi_turn and cfg.reward:
+        errors.append(f"--reward {cfg.reward!r} with a multi-turn task: the environment's step() gives the rewards")
+    if cfg.compact_at and cfg.algo == "grpo":
+        errors.append("--compact-at with --algo grpo is refused: a compacted episode is several rows, and GRPO's groups are "
+                      "rows of one prompt; use --algo ppo (every row carries its episode's return)")
     for flag, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
         if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
             errors.append(f"--{flag} needs the {module} package: pip install {module}")
@@ -292,5 +317,8 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
     new = cfg.max_new_tokens or task.max_new_tokens
     if new >= mc.max_position_embeddings:
         raise ValueError(f"--max-new-tokens {new} leaves no room for a prompt in the model's context of {mc.max_position_embeddings} tokens")
+    if cfg.compact_at and not cfg.compact_at + 2 * new < mc.max_position_embeddings:
+        raise ValueError(f"--compact-at {cfg.compact_at} leaves no room for the summary request and the summary ({new} tokens) "
+                         f"in the model's context of {mc.max_position_embeddings} tokens")
     check_lengths(task, tok, mc.max_position_embeddings, new)  # every data row, naming the file row
     return tok

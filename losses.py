@@ -170,6 +170,19 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float 
         return adv, (adv + values) * m
 
 
+def last_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
+    """Outcome rewards [B] placed on each row's last valid token of mask [B, T]: [B, T] float32, 0 elsewhere (a row
+    without a valid token gets nothing). The last valid token, not column lengths - 1: a multi-turn row has holes
+    (observation tokens, mask False) and may end in one."""
+    _check(mask, scores=scores[:, None].expand_as(mask))
+    cols = torch.arange(mask.size(1), device=mask.device)
+    last = torch.where(mask, cols, -1).amax(-1)  # [B], -1 if the row has no valid token
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = (last >= 0).nonzero()[:, 0]
+    out[rows, last[rows]] = scores[rows].float()
+    return out
+
+
 def length_adaptive_lambda(lengths: Tensor, alpha: float) -> Tensor:
     """VAPO's length-adaptive GAE lambda = 1 - 1 / (alpha * L), per sequence; [B] -> [B] float32.
 
@@ -496,8 +509,9 @@ def position_buckets(T: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def explained_variance_by_position(values: Tensor, returns: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """explained_variance restricted to each bucket of position_buckets(T): {"critic/ev_pos_<label>": 0-d}.
+def explained_variance_by_position(values: Tensor, returns: Tensor, mask: Tensor, width: int | None = None) -> dict[str, Tensor]:
+    """explained_variance restricted to each bucket of position_buckets(width or T): {"critic/ev_pos_<label>": 0-d}.
+    Give width (the response budget) when ranks hold batches of different T, so they all return the same keys.
 
     Early positions are the hard ones (the value must predict the whole outcome); the last position before
     a terminal reward only has to read off what was already written.
@@ -505,4 +519,4 @@ def explained_variance_by_position(values: Tensor, returns: Tensor, mask: Tensor
     _check(mask, values=values, returns=returns)
     cols = torch.arange(mask.size(1), device=mask.device)
     return {f"critic/ev_pos_{label}": explained_variance(values, returns, mask & (cols >= lo) & (cols < hi))
-            for label, lo, hi in position_buckets(mask.size(1))}
+            for label, lo, hi in position_buckets(max(width or 0, mask.size(1)))}

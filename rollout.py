@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import losses
+from quant import fake_quant
 
 
 @dataclass
@@ -61,6 +62,9 @@ class Sampling:
     """Row r of a generate call (prompt r // n, sample r % n) draws from seed + r, whatever the rest of the
     batch: same seed, same weights, same output, and a batch split over several calls (data-parallel ranks)
     gives the same rows when each call's seed is offset by its first row's index."""
+    seeds: tuple[int, ...] = ()
+    """Per-row seeds, one per output row, used instead of seed + r (the multi-turn driver gives each episode's turn its
+    own seed, whichever episodes share the call); () = seed + r."""
 
     def __post_init__(self):
         self.stop_token_ids = tuple(self.stop_token_ids)
@@ -78,6 +82,13 @@ class Sampling:
             raise ValueError(f"Sampling.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"Sampling.seed must be an int, got {self.seed!r}")
+        self.seeds = tuple(self.seeds)
+        if not all(isinstance(x, int) for x in self.seeds):
+            raise ValueError(f"Sampling.seeds must be ints, got {self.seeds!r}")
+
+    def row_seed(self, r: int) -> int:
+        """The seed of output row r."""
+        return self.seeds[r] if self.seeds else self.seed + r
 
 
 class TrainBatch(NamedTuple):
@@ -102,10 +113,16 @@ class Rollout:
     prompt_ids: list[list[int]]
     """One prompt per row (a prompt repeats n times)."""
     finish_reasons: list[str]
-    """Per row: "stop" (emitted a stop token) or "length" (hit max_new_tokens)."""
+    """Per row: "stop" (emitted a stop token) or "length" (hit max_new_tokens); the multi-turn driver (agent.py)
+    gives the episode's reason instead."""
+    attend: Tensor | None = None
+    """[B, T] bool, True on every real response token: model tokens and, in multi-turn rows (agent.py), the
+    observation tokens between them, which the trainer attends to but never trains (mask is False there,
+    infer_logp 0). None = mask (single-turn: every real token is a model token)."""
 
     def to_batch(self, pad_id: int = 0) -> TrainBatch:
-        """Left-padded prompt + response per row, pad_id elsewhere. Returns TrainBatch (tensors on CPU)."""
+        """Left-padded prompt + response per row, pad_id elsewhere. Returns TrainBatch (tensors on CPU). The
+        attention mask (and the positions) cover `attend`, observation tokens included."""
         B, T = self.tokens.shape
         P = max(len(p) for p in self.prompt_ids)
         input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
@@ -113,9 +130,9 @@ class Rollout:
         for r, p in enumerate(self.prompt_ids):
             input_ids[r, P - len(p) : P] = torch.tensor(p)
             attention_mask[r, P - len(p) : P] = 1
-        mask = self.mask.cpu()
-        input_ids[:, P:] = torch.where(mask, self.tokens.cpu(), pad_id)
-        attention_mask[:, P:] = mask.long()
+        real = (self.mask if self.attend is None else self.attend).cpu()
+        input_ids[:, P:] = torch.where(real, self.tokens.cpu(), pad_id)
+        attention_mask[:, P:] = real.long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
         return TrainBatch(input_ids, attention_mask, position_ids, P)
 
@@ -136,6 +153,8 @@ def check_request(prompt_ids, sampling: Sampling, vocab_size: int, context_len: 
                              f"the context ({context_len}) allows at most {longest}")
         if not all(isinstance(t, int) and 0 <= t < V for t in p):
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {V}) or non-int ids: {list(p)[:8]}...")
+    if sampling.seeds and len(sampling.seeds) != len(prompt_ids) * sampling.n:
+        raise ValueError(f"generate: {len(sampling.seeds)} seeds for {len(prompt_ids)} prompts x n={sampling.n} rows")
     bad = [t for t in sampling.stop_token_ids if t >= V]
     if bad:
         raise ValueError(f"generate: stop_token_ids {bad} are outside the vocabulary [0, {V})")
@@ -176,9 +195,6 @@ def __getattr__(name: str):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "int4": torch.bfloat16}
 # KV-cache storage: "auto" = the compute dtype, "fp8" = float8_e4m3fn with a fixed scale of 1.0.
 KV_CACHE_DTYPES = ("auto", "fp8")
-# Largest finite float8_e4m3fn value: the per-channel scale maps each row's absmax onto it.
-FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
-INT4_GROUP_SIZE = 32  # dtype "int4": consecutive input elements per scale
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 # HF name inside a decoder layer -> (slot in the engine's per-layer store, part index). Parts of one slot
@@ -205,33 +221,6 @@ _LAYER_SLOTS = {
 }
 _LAYER_KEYS = ("ln1", "qkv", "qkv_b", "qn", "kn", "o", "o_b", "ln2", "gu", "gu_b", "down", "down_b")
 _TOP_SLOTS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
-
-
-def fake_quant_fp8(w: Tensor) -> Tensor:
-    """Round a Linear weight [out, in] through float8_e4m3fn with one scale per output channel, and back."""
-    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_E4M3_MAX
-    return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
-
-
-def fake_quant_int4(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> Tensor:
-    """Round a Linear weight [out, in] through symmetric weight-only int4, one scale per group, and back.
-
-    The FlashRL / GPTQ-style symmetric rule, in float32: each row is cut into groups of `group_size`
-    consecutive input elements (dim 1), and per group
-
-        s = absmax(group) / 7,   q = clamp(round(w / s), -8, 7),   w_hat = q * s
-
-    so every w_hat is an integer multiple of its group's scale (at most 16 levels per group; -8 is never
-    reached since |w / s| <= 7), the group's absmax element is kept exactly (up to float rounding), and
-    |w - w_hat| <= s / 2 for every element. Returns w_hat in w's dtype. `in` must be a multiple of group_size.
-    """
-    rows, cols = w.shape
-    if cols % group_size:
-        raise ValueError(f"fake_quant_int4: the input dimension {cols} of a [{rows}, {cols}] weight is not a "
-                         f"multiple of group_size={group_size}")
-    g = w.float().reshape(rows, cols // group_size, group_size)
-    s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7  # the clamp only guards all-zero groups
-    return ((g / s).round().clamp(-8, 7) * s).reshape(rows, cols).to(w.dtype)
 
 
 def _check_arch(config) -> None:
@@ -264,7 +253,7 @@ class EmbeddedEngine:
     dtype: "fp32"; "bf16" (weights and compute in bf16, log-probs in fp32 from bf16 logits); "fp8" (bf16
         compute with the decoder's Linear weights fake-quantised to float8_e4m3fn, one scale per output
         channel, as FP8 rollouts do; embeddings, lm_head and norms stay bf16, as vLLM/SGLang keep them);
-        "int4" (the same, with weight-only symmetric int4 in groups of 32 input elements: fake_quant_int4,
+        "int4" (the same, with weight-only symmetric int4 in groups of 32 input elements: quant.fake_quant_int4,
         the FlashRL / GPTQ rule; every decoder Linear's input size must be a multiple of 32).
     kv_cache_dtype: "auto" (the compute dtype) or "fp8": keys and values are stored as float8_e4m3fn with
         a fixed scale of 1.0, what SGLang / vLLM do when the checkpoint has no calibrated k/v scales (the
@@ -339,14 +328,7 @@ class EmbeddedEngine:
     def _transform(self, name: str, t: Tensor) -> Tensor:
         t = t.detach().to(self.device, torch.float32)
         if name.startswith("model.layers.") and name.endswith("_proj.weight"):  # the decoder's Linear weights
-            if self.dtype_name == "fp8":
-                t = fake_quant_fp8(t)
-            elif self.dtype_name == "int4":
-                if t.size(1) % INT4_GROUP_SIZE:
-                    raise NotImplementedError(f"EmbeddedEngine: dtype 'int4' quantises groups of {INT4_GROUP_SIZE} input "
-                                              f"elements; {name!r} has shape {tuple(t.shape)}, whose input size "
-                                              f"{t.size(1)} is not a multiple of {INT4_GROUP_SIZE}")
-                t = fake_quant_int4(t)
+            t = fake_quant(name, t, self.dtype_name)
         return t.to(self.dtype)
 
     def _bind(self) -> None:
@@ -525,10 +507,10 @@ class EmbeddedEngine:
         self._check_ready("generate")
         self._check_prompts(prompt_ids, sampling)
         prompts = [list(p) for p in prompt_ids]
-        # One uniform per (row, step), from row r's own generator seeded seed + r: draws do not depend on
+        # One uniform per (row, step), from row r's own generator (seed + r, or seeds[r]): draws do not depend on
         # the batch composition or on how it is chunked (max_batch_tokens).
         rows = len(prompts) * sampling.n
-        u = torch.stack([torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(sampling.seed + r)) for r in range(rows)])
+        u = torch.stack([torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(sampling.row_seed(r))) for r in range(rows)])
         # A prompt's n samples stay in one chunk: its prefill runs once and is copied to the n rows.
         row_tokens = max(len(p) for p in prompts) + sampling.max_new_tokens
         per_chunk = self.max_batch_tokens // (row_tokens * sampling.n)

@@ -76,8 +76,8 @@ SGLANG_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3"}  # rollout.Embedded
 SGLANG_GREEDY_TEMPERATURE = 1e-6
 # KV-cache bound on CPU: SGLang's default sizes the cache from free memory (15 GB and 70 s to start here).
 CPU_MAX_TOTAL_TOKENS = 16384
-# Mixes Sampling.seed and the row index into distinct per-row sampling seeds (rows of one prompt
-# with equal seeds would draw identical samples); an odd 64-bit constant (golden ratio).
+# Spreads each row's seed (Sampling.row_seed: seed + r, the embedded engine's rule, so a batch split over calls
+# whose seeds are offset by their first row gives the same rows) over SGLang's 64-bit seeds; odd (golden ratio).
 _SEED_MIX = 0x9E3779B97F4A7C15
 
 
@@ -158,7 +158,7 @@ class SGLangEngine:
                        # SGLang: -1 = off; a finite top_k is what return_sampling_mask needs (see module docstring).
                        top_k=top_k or (self.vocab_size if filtered else -1),
                        stop_token_ids=list(sampling.stop_token_ids), ignore_eos=not native_stop,
-                       sampling_seed=(sampling.seed * _SEED_MIX + r) % 2**63)
+                       sampling_seed=(sampling.row_seed(r) * _SEED_MIX) % 2**63)
                   for r in range(len(rows))]
         # Engine.generate without its missing return_sampling_mask argument (sglang/srt/entrypoints/engine.py:433).
         req = GenerateReqInput(input_ids=rows, sampling_params=params, return_logprob=True,

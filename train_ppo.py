@@ -37,8 +37,9 @@ from transformers import AutoModelForCausalLM
 
 import losses as L
 from config import RESUMABLE, Config, check_model, check_resume, resolve  # noqa: F401  (RESUMABLE: re-exported)
+from agent import DEFAULT_MAX_TURNS, episode_metrics, load_env, run_episodes
 from data.rewards import load_reward, majority_correct, pass_at_k
-from data.tasks import encode_prompt, get_task, reward_columns, score
+from data.tasks import Scores, encode_prompt, get_task, reward_columns, score
 from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
 from rollout import EmbeddedEngine, Sampling
 from runlog import RunLog, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint
@@ -128,7 +129,8 @@ def reduce_metrics(metrics: dict[str, list]) -> dict[str, float]:
 def minibatches(rows: int, cfg: Config, step: int, epoch: int) -> list[torch.Tensor]:
     """Shuffled row indices per minibatch; the same on TP peers (same seed), which see the same rows."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + epoch)
-    return list(torch.randperm(rows, generator=g).chunk(cfg.minibatches))
+    return list(torch.randperm(rows, generator=g).tensor_split(cfg.minibatches))  # always cfg.minibatches parts: a
+    # rank with fewer rows (compaction) still joins every minibatch's collectives, with an empty part if need be
 
 
 def micro(idx: torch.Tensor, cfg: Config) -> list[torch.Tensor]:
@@ -231,13 +233,15 @@ def decode(tok, ro) -> list[str]:
     return tok.batch_decode([t[m].tolist() for t, m in zip(ro.tokens, ro.mask)], skip_special_tokens=True)
 
 
-def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int) -> tuple[dict[str, float], list[dict]]:
+def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int, play=None) -> tuple[dict[str, float], list[dict]]:
     """Held-out evaluation on the first eval_size test problems, sharded over the engine ranks, summed over all ranks.
 
     eval/greedy_acc and eval/sampled_acc: the mean reward of the greedy (top-1) completion and of the sampled ones
     (= exact-match accuracy for the built-in tasks); a None reward counts as 0. With --eval-samples n > 1 each
     problem gets n samples: eval/mean@n (= sampled_acc), and for k = 1, 2, 4, ... <= n the unbiased eval/pass@k
     (a sample is correct when its reward is > 0) and, when the reward returns "pred", eval/maj@k (majority_correct).
+    A multi-turn task is played by play(engine, rows, sampling) -> agent.Episodes: the reward is the episode's return
+    and the completion its conversation (chat messages).
     Returns (metrics, records): one record per completion for the samples file, gathered on rank 0 ([] elsewhere).
     """
     n = cfg.eval_samples
@@ -253,8 +257,12 @@ def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, d
         greedy = Sampling(**{**asdict(sampling), "top_k": 1, "n": 1})
         sampled = Sampling(**{**asdict(sampling), "n": n, "seed": cfg.seed + 7 + lo * n})  # row r has seed + r
         for k, (kind, s, m) in enumerate((("greedy", greedy, 1), ("sampled", sampled, n)) if ids else ()):
-            texts = decode(tok, engine.generate(ids, s))
-            sc = score(task, texts, reward_columns(test, m))
+            if play is not None:
+                ep = play(engine, test.to_list(), s)
+                texts, sc = ep.messages, Scores.of(ep.returns)
+            else:
+                texts = decode(tok, engine.generate(ids, s))
+                sc = score(task, texts, reward_columns(test, m))
             r = sc.rewards * sc.rewarded  # None counts as 0
             counts[k] = r.sum()
             records += [{**sc.extras[i], "kind": kind, "problem": lo + i // m, "sample": i % m, "prompt": prompts[i // m],
@@ -293,6 +301,8 @@ def main(cfg: Config) -> list[dict]:
     # A bad task, data file or row fails here, before any model is built.
     task = get_task(cfg.task, split=cfg.split, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                     reward_fn=load_reward(cfg.reward), eval_task=cfg.eval_task, eval_split=cfg.eval_split)
+    if cfg.env:
+        task.env, task.max_turns = load_env(cfg.env), DEFAULT_MAX_TURNS
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     mesh = make_mesh(rt, cfg.tp)
@@ -305,7 +315,7 @@ def main(cfg: Config) -> list[dict]:
     if not model_path:
         from data.tiny import default_model
 
-        kind = cfg.task if cfg.task in ("addition", "sort") else "addition"  # the built-in tasks have their own warm-up
+        kind = cfg.task if cfg.task in ("addition", "sort", "guess") else "addition"  # the built-in tasks have their own warm-up
         if rt.rank == 0:
             default_model(os.path.join(REPO, ".cache"), task=kind)  # built once, by rank 0; the others find it cached
         if dist.is_initialized():
@@ -340,12 +350,20 @@ def main(cfg: Config) -> list[dict]:
     if cfg.eval_dtype == "fp32":
         eval_engine = EmbeddedEngine(policy_path, dtype="fp32", device=rt.device) if is_engine_rank else None
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or task.max_new_tokens, (tok.eos_token_id,), plan["n"], cfg.seed)
+    # A multi-turn task's rows hold up to a context of turns and observations (agent.py); max_len is the model-token
+    # budget of a row (the Dr. GRPO denominator), width the response block's (the per-position metrics' keys).
+    max_len = width = sampling.max_new_tokens
+    play = None
+    if task.env is not None:
+        turns, context = cfg.max_turns or task.max_turns, policy.config.max_position_embeddings
+        max_len, width = (turns + 1) * sampling.max_new_tokens, context
+        play = lambda eng, rows, s: run_episodes(eng, tok, task.env, rows, s, max_turns=turns, context_len=context, compact_at=cfg.compact_at)  # noqa: E731
     # A fresh run (no checkpoint) drops whatever an earlier, killed attempt logged.
     log = RunLog(cfg.out_dir, rt.rank, {**asdict(cfg), **plan, "model_path": model_path}, start if ckpt else -1, cfg.wandb, cfg.tensorboard, changes)
     print0(f"{'resuming at step ' + str(start) if ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
            f"world {rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}")
     if ckpt is None:
-        before, records = evaluate(eval_engine, tok, task, cfg, sampling, dp_rank, plan["dp"])
+        before, records = evaluate(eval_engine, tok, task, cfg, sampling, dp_rank, plan["dp"], play)
         log.log({"step": 0, **before})
         log.samples(0, records)
         print0(f"before RL: greedy accuracy {before['eval/greedy_acc']:.1%}, sampled {before['eval/sampled_acc']:.1%} "
@@ -382,24 +400,32 @@ def main(cfg: Config) -> list[dict]:
                     order[epoch] = torch.randperm(n_train, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
                 idx.append(order[epoch][i % n_train])
             rows = task.train.select(idx)
-            ro = None
+            out = None
             if engine is not None:
-                # Row r of this call is sampled with seed + r (engine contract), so the global batch does not
-                # depend on how it is split over data-parallel ranks.
+                # Row (episode) r of this call is sampled with seed + r (engine contract; agent.run_episodes), so the
+                # global batch does not depend on how it is split over data-parallel ranks.
                 seed = (cfg.seed * 1_000_003 + g * cfg.rollout_batch + dp_rank * plan["rows"]) % 2**31
-                ro = engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], Sampling(**{**asdict(sampling), "seed": seed}))
+                s = Sampling(**{**asdict(sampling), "seed": seed})
+                out = play(engine, rows.to_list(), s) if play else engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], s)
                 engine.sleep()
             if tp_mesh is not None and tp_mesh.size() > 1:
-                box = [ro]
+                box = [out]
                 dist.broadcast_object_list(box, group_src=0, group=tp_mesh.get_group())
-                ro = box[0]
+                out = box[0]
+            ro = out.rollout if play else out
 
-        # 2 reward: outcome reward on the last response token. A row without a reward (None) leaves training:
-        # its tokens leave `mask` (every loss, the whitening and the denominators); in GRPO so do the groups
-        # with fewer than 2 rewarded rows (no baseline). gen_mask keeps every generated token (mismatch metrics).
+        # 2 reward: the outcome reward on the last model token (multi-turn: each turn's reward on the turn's last model
+        # token). A row without a reward (None) leaves training: its tokens leave `mask` (every loss, the whitening and
+        # the denominators); in GRPO so do the groups with fewer than 2 rewarded rows (no baseline). gen_mask keeps
+        # every model token (mismatch metrics); observation tokens are in neither.
         with timed(times, "reward"):
-            sc = score(task, decode(tok, ro), reward_columns(rows, plan["n"]))
-            scores, rewarded = sc.rewards, sc.rewarded.to(rt.device)
+            if play:  # per row its episode's return; sc (for the metrics) per episode
+                sc, scores = Scores.of(out.returns), out.returns[out.episode]
+                rewarded, token_rewards = torch.ones(len(scores), dtype=torch.bool, device=rt.device), out.rewards
+            else:
+                sc = score(task, decode(tok, ro), reward_columns(rows, plan["n"]))
+                scores, rewarded = sc.rewards, sc.rewarded.to(rt.device)
+                token_rewards = L.last_token_rewards(scores, ro.mask)
             b = ro.to_batch(tok.pad_token_id)
             b = type(b)(*(x.to(rt.device) if torch.is_tensor(x) else x for x in b))
             tokens, gen_mask, infer_logp = ro.tokens.to(rt.device), ro.mask.to(rt.device), ro.infer_logp.to(rt.device)
@@ -411,7 +437,7 @@ def main(cfg: Config) -> list[dict]:
 
         if init_head:  # the head starts as the constant mean reward of this first batch: EV 0, not the negative
             with torch.no_grad():  # EV of a random head's noise (N(0, 0.02) rows give values of std ~0.2 here)
-                stats = all_reduce(torch.stack([scores[sc.rewarded].sum(), sc.rewarded.sum().float()]), dp_group)
+                stats = all_reduce(torch.stack([scores.to(rt.device)[rewarded].sum(), rewarded.sum().float()]), dp_group)
                 critic.score.weight.zero_()
                 critic.score.bias.fill_((stats[0] / stats[1].clamp_min(1)).item())
             init_head = False
@@ -426,8 +452,7 @@ def main(cfg: Config) -> list[dict]:
 
         # 4 advantages
         with timed(times, "advantages"):
-            rewards = torch.zeros_like(old_logp)
-            rewards[all_rows, lengths - 1] = scores.to(rt.device)
+            rewards = token_rewards.to(rt.device)
             if cfg.kl == "k1-reward":
                 rewards = rewards - cfg.kl_coef * L.kl_estimate(old_logp, ref_logp, "k1") * mask
             if cfg.algo == "ppo":
@@ -457,7 +482,7 @@ def main(cfg: Config) -> list[dict]:
         with timed(times, "critic"):
             for k in range(cfg.critic_updates if critic is not None else 0):
                 for mb in minibatches(len(tokens), cfg, g, 1000 + k):
-                    denom = denominator(mask[mb], keep[mb], cfg, sampling.max_new_tokens, dp_group)
+                    denom = denominator(mask[mb], keep[mb], cfg, max_len, dp_group)
                     for r in micro(mb, cfg):
                         # No value clipping while pretraining: the first values are the untrained head's.
                         clip = None if pretraining else cfg.value_clip or None
@@ -470,14 +495,14 @@ def main(cfg: Config) -> list[dict]:
                     add(m, {"critic/grad_norm": norm, "train/skipped_critic_update": float(not ok)})
             if critic is not None:  # of the values before this step's update: out of sample for this batch
                 add(m, {"critic/explained_variance": L.explained_variance(old_values, returns, mask),
-                        **L.explained_variance_by_position(old_values, returns, mask)})
+                        **L.explained_variance_by_position(old_values, returns, mask, width)})
 
         # 7 policy updates: PPO-clip (or DIS) with the correction's weights, global token denominator
         update_policy = not pretraining
         with timed(times, "policy"):
             for epoch in range(cfg.ppo_epochs if update_policy else 0):
                 for mb in minibatches(len(tokens), cfg, g, epoch):
-                    denom = denominator(loss_mask[mb], keep[mb], cfg, sampling.max_new_tokens, dp_group)
+                    denom = denominator(loss_mask[mb], keep[mb], cfg, max_len, dp_group)
                     for r in micro(mb, cfg):
                         logits = response_logits(policy, b, r)
                         logp = L.token_logprobs(logits, tokens[r], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
@@ -512,7 +537,8 @@ def main(cfg: Config) -> list[dict]:
         add(m, {
             "rollout/response_len_mean": lengths.float().mean(),
             "rollout/response_len_max": lengths.max().float(), "rollout/tokens_per_s": n_tok * plan["dp"] / times["time/rollout"],  # dp engines run at once
-            "rollout/truncated_frac": sum(f == "length" for f in ro.finish_reasons) / len(ro.finish_reasons),
+            "rollout/truncated_frac": sum(f in ("length", "turn_length") for f in ro.finish_reasons) / len(ro.finish_reasons),
+            **(episode_metrics(out) if play else {}),
         })
         if cfg.algo == "grpo":  # groups whose n rewards are all equal carry no GRPO signal
             groups = scores.view(-1, plan["n"])
@@ -541,7 +567,7 @@ def main(cfg: Config) -> list[dict]:
         if (step + 1) % cfg.eval_every == 0 or last:
             if cfg.eval_dtype == "fp32":  # the fp32 copy gets the new weights only when it is used
                 push_weights(policy, eval_engine)
-            metrics, records = evaluate(eval_engine, tok, task, cfg, sampling, dp_rank, plan["dp"])
+            metrics, records = evaluate(eval_engine, tok, task, cfg, sampling, dp_rank, plan["dp"], play)
             row.update(metrics)
         log.log(row)
         if "eval/greedy_acc" in row:

@@ -3,6 +3,7 @@
     .venv/bin/python bench/lab.py mismatch --arms core    # the core arms first (all seeds); rerun to resume
     .venv/bin/python bench/lab.py mismatch                # the whole grid (finished runs are skipped)
     .venv/bin/python bench/lab.py horizon --quick         # smoke run: 2 seeds, 2 arms, 4 steps; report under lab_runs/
+    .venv/bin/python bench/lab.py multi-turn              # --task guess: PPO with a critic vs GRPO, 5 seeds
     .venv/bin/python bench/lab.py mismatch --only-report  # rebuild docs/lab/mismatch.md, e.g. from docs/lab/mismatch/metrics.jsonl.gz
 
 Each (task, arm, seed) is a normal run folder <runs-dir>/<grid>/<task>/<arm>/seed<k> written by one single-process
@@ -85,12 +86,32 @@ GRIDS = {
         "core": ["ppo", "grpo-n4", "grpo-n8"],
         "quick": {**QUICK, "arms": ["ppo", "grpo-n4"]},
     },
+    "multi-turn": {
+        "hypothesis": "On --task guess (up to 6 turns, reward 1 only when the secret is found, about 85% of each row's tokens are "
+        "observations), at equal episodes per step (64) and equal steps, PPO with a pretrained critic reaches a higher final held-out "
+        "greedy success rate than GRPO with 4 episodes per prompt: the critic gives every turn its own baseline, while GRPO's advantage "
+        "is one number per episode and vanishes in groups whose episodes all win or all lose. PPO runs with train_ppo.py's default "
+        "critic pretraining; those rollouts are not counted in the equal budget.",
+        "decision_rule": "Primary endpoint: held-out greedy success rate at the last step (500 test problems, whose ranges never occur in "
+        "train), one value per seed (5 seeds); 95% t-interval of the seed mean. PPO is BETTER if its mean is at least 5 points above "
+        "grpo-n4's and the two intervals do not overlap; PPO is WORSE if at least 5 points below with non-overlapping intervals; "
+        "otherwise a null result. Arms with fewer than 2 finished seeds are not evaluated.",
+        "tasks": ["guess"],
+        "seeds": [0, 1, 2, 3, 4],
+        "steps": {"guess": 60},  # set before running, never after seeing results
+        "base": ["--rollout-batch", "64", "--engine-dtype", "fp32", "--eval-every", "20", "--eval-size", "500", "--save-every", "20",
+                 "--keep-checkpoints", "1"],
+        "arms": {"ppo": ["--algo", "ppo"], "grpo-n4": ["--algo", "grpo", "--n-samples", "4"]},
+        "core": ["ppo", "grpo-n4"],
+        "quick": {**QUICK, "tasks": ["guess"], "base": QUICK["base"] + ["--engine-dtype", "fp32"]},
+    },
 }
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train_ppo.py")
 KEEP = ("eval/greedy_acc", "eval/sampled_acc", "mismatch/k3", "mismatch/masked_frac_low",
-        "mismatch/masked_frac_high", "ppo/grad_norm", "ppo/entropy", "critic/explained_variance", "grpo/identical_reward_frac")
+        "mismatch/masked_frac_high", "ppo/grad_norm", "ppo/entropy", "critic/explained_variance", "grpo/identical_reward_frac",
+        "rollout/turns_mean")
 # two-sided 95% t quantiles t_{0.975, df}, df = 1..30 (scipy is not a dependency)
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -297,7 +318,17 @@ def verdict_horizon(stats):
     return lines
 
 
-VERDICTS = {"mismatch": verdict_mismatch, "horizon": verdict_horizon}
+def verdict_multi_turn(stats):
+    arms = stats.get("guess", {})
+    res = compare(arms.get("ppo", {}).get("final_greedy"), arms.get("grpo-n4", {}).get("final_greedy"))
+    if res is None:
+        return ["- guess: not evaluated (ppo and grpo-n4 need >= 2 finished seeds each)"]
+    margin = arms["ppo"]["final_greedy"][0] - arms["grpo-n4"]["final_greedy"][0]
+    lines = [f"- guess: {({1: 'PPO BETTER', -1: 'PPO WORSE', 0: 'null result'})[res]} (PPO minus GRPO n4: {margin:+.1f} points)"]
+    return lines + ([] if res else ["", "**Null result**: the comparison does not pass the decision rule."])
+
+
+VERDICTS = {"mismatch": verdict_mismatch, "horizon": verdict_horizon, "multi-turn": verdict_multi_turn}
 
 
 def plots(g, runs, task, out_dir):

@@ -85,6 +85,33 @@ SPEC_FORMS = "'' or 'exact' (exact match), 'math', 'path/to/file.py:function' or
 
 
 @functools.cache
+def import_target(spec: str, flag: str, noun: str, forms: str):
+    """(module, where, name) for a plug-in named 'path/to/file.py:name' or 'package.module:name' (--reward, --env).
+    A file is executed once per process (cached). A bad form, a missing file or module, one that fails to import:
+    a ValueError naming the flag."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"{flag} {spec!r} is not {noun}: give {forms}")
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.isfile(where):
+            raise ValueError(f"{flag} {spec!r}: no such file {where!r}")
+        mod_name = "plugin_" + re.sub(r"\W", "_", os.path.abspath(where))
+        mspec = importlib.util.spec_from_file_location(mod_name, where)
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules[mod_name] = module  # so dataclasses and pickling inside the file work
+        try:
+            mspec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[mod_name]
+            raise ValueError(f"{flag} {spec!r}: running {where} raised {e!r}") from e
+        return module, where, name
+    try:
+        return importlib.import_module(where), where, name
+    except Exception as e:
+        raise ValueError(f"{flag} {spec!r}: cannot import module {where!r} ({e!r}); give a module on the Python path "
+                         "or a path to a .py file") from e
+
+
 def load_reward(spec: str) -> Callable:
     """The reward function a --reward value names (see the module docstring). Every problem, a bad form, a
     missing file or module, one that fails to import, a missing or non-callable function, is a ValueError
@@ -97,27 +124,7 @@ def load_reward(spec: str) -> Callable:
         except ImportError as e:
             raise ValueError(str(e)) from None
         return math_reward
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name.isidentifier():
-        raise ValueError(f"--reward {spec!r} is not a reward: give {SPEC_FORMS}")
-    if where.endswith(".py") or os.sep in where:
-        if not os.path.isfile(where):
-            raise ValueError(f"--reward {spec!r}: no such file {where!r}")
-        mod_name = "reward_" + re.sub(r"\W", "_", os.path.abspath(where))
-        mspec = importlib.util.spec_from_file_location(mod_name, where)
-        module = importlib.util.module_from_spec(mspec)
-        sys.modules[mod_name] = module  # so dataclasses and pickling inside the file work
-        try:
-            mspec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[mod_name]
-            raise ValueError(f"--reward {spec!r}: running {where} raised {e!r}") from e
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:
-            raise ValueError(f"--reward {spec!r}: cannot import module {where!r} ({e!r}); give a module on the Python path "
-                             "or a path to a .py file") from e
+    module, where, name = import_target(spec, "--reward", "a reward", SPEC_FORMS)
     if not hasattr(module, name):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise ValueError(f"--reward {spec!r}: {where} has no function {name!r} (its callables: {', '.join(found) or 'none'})")

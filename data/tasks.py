@@ -6,6 +6,7 @@ terminal rewards; data/rewards.py holds the built-ins and the loader of --reward
 
     addition  "042+315" -> "0357"                          (5 response tokens with <|im_end|>)
     sort      "sort: 3 7 1 9 4 2 8 5" -> "1 2 3 4 5 7 8 9"  (16 response tokens: a longer horizon)
+    guess     "guess 23-87", then a number per turn, answered "<", ">" or "?"  (multi-turn: data/guess.py)
     your data a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder or a hub name (load_task)
 
 `get_task(name, ...)` picks one by name or path.
@@ -41,7 +42,11 @@ class Task:
     reward_fn: Callable[..., list]
     """fn(completions, *, prompts, answer, **columns) -> one float, None or dict per completion (data/rewards.py)."""
     max_new_tokens: int
-    """Generation budget: the longest answer plus slack for <|im_end|> and near misses."""
+    """Generation budget: the longest answer plus slack for <|im_end|> and near misses (per turn for multi-turn tasks)."""
+    env: type | None = None
+    """Multi-turn tasks: the environment class (agent.py); its step() gives the rewards, reward_fn is unused."""
+    max_turns: int = 1
+    """Multi-turn tasks: the default turn budget (--max-turns)."""
 
 
 def _dataset(rows: list[tuple[str, ...]], columns: tuple[str, ...] = ("prompt", "answer")) -> datasets.Dataset:
@@ -459,7 +464,14 @@ def score(task: Task, completions: list[str], columns: dict[str, list]) -> Score
     return Scores(torch.tensor([0.0 if v is None else v for v in values]), rewarded, extras)
 
 
-TASKS = {"addition": addition_task, "sort": sort_task}
+def guess_task(**kwargs) -> Task:
+    """The multi-turn guessing task (data/guess.py, which imports this module)."""
+    from data.guess import guess_task
+
+    return guess_task(**kwargs)
+
+
+TASKS = {"addition": addition_task, "sort": sort_task, "guess": guess_task}
 
 
 def get_task(name: str, *, split: str = "train", prompt_key: str = "prompt", answer_key: str = "answer",

@@ -6,7 +6,7 @@ supervised warm-up on the task so RL starts from a policy that is right some of 
 cached under .cache/, one model per built-in task. A few minutes on one CPU core.
 
     python -m data.tiny            # build the addition model (once) and print the path
-    python -m data.tiny sort       # the sort model
+    python -m data.tiny sort       # the sort model (guess: the multi-turn guessing task)
 """
 
 import hashlib
@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ LR_WARMUP_STEPS, GRAD_CLIP = 30, 1.0
 DEFAULT_WARMUP = {
     "addition": dict(target_acc=0.4, max_steps=600, batch_size=64, lr=3e-3, eval_every=25, n_eval=256),
     "sort": dict(target_acc=0.2, max_steps=600, batch_size=64, lr=3e-3, eval_every=25, n_eval=256),
+    "guess": dict(target_acc=0.3, max_steps=600, batch_size=64, lr=3e-3, eval_every=25, n_eval=256),
 }
 
 
@@ -128,26 +130,55 @@ def greedy_completions(model, tok, prompts: list[str], max_new_tokens: int) -> l
     return tok.batch_decode(ids[:, width:], skip_special_tokens=True)
 
 
-def _sft_batch(tok, examples: list[tuple[list[int], list[int]]]):
-    """Right-padded (prompt + response) ids [B, L] and a bool mask [B, L - 1] over the positions whose
-    next-token target is a response token (the answer and its <|im_end|>)."""
-    width = max(len(p) + len(r) for p, r in examples)
+def _sft_batch(tok, examples: list[tuple[list[int], list[bool]]]):
+    """Right-padded ids [B, L] and a bool mask [B, L - 1] over the positions whose next-token target is trained:
+    examples are (ids, trained) with trained[j] True where ids[j] is a model token (answer, <|im_end|>)."""
+    width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), tok.pad_token_id)
     loss_mask = torch.zeros(len(examples), width - 1, dtype=torch.bool)
-    for i, (p, r) in enumerate(examples):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        loss_mask[i, len(p) - 1 : len(p) + len(r) - 1] = True  # logits at t predict token t + 1
+    for i, (x, trained) in enumerate(examples):
+        ids[i, : len(x)] = torch.tensor(x)
+        loss_mask[i, : len(x) - 1] = torch.tensor(trained[1:])  # logits at t predict token t + 1
     return ids, loss_mask
+
+
+def _guess_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callable]:
+    """Demonstrations of data/guess.py's noisy bisection, played by the multi-turn driver itself so they have the
+    exact token layout RL sees (a third with compaction), and greedy success on the validation rows."""
+    import agent
+    from data.guess import demo_engine
+    from rollout import EmbeddedEngine, Sampling
+
+    rows = task.train.to_list()
+    val, rest = rows[:n_eval], rows[n_eval:]
+    pool = []
+    for i in range(0, len(rest), 1000):
+        chunk = rest[i : i + 1000]
+        ep = agent.run_episodes(demo_engine(tok), tok, task.env, chunk, Sampling(max_new_tokens=task.max_new_tokens, seed=seed + i),
+                                max_turns=task.max_turns, context_len=tok.model_max_length, compact_at=90 if i % 3000 == 0 else 0)
+        ro = ep.rollout
+        pool += [(p + ro.tokens[b][ro.attend[b]].tolist(), [False] * len(p) + ro.mask[b][ro.attend[b]].tolist())
+                 for b, p in enumerate(ro.prompt_ids)]
+
+    def accuracy(model) -> float:
+        engine = EmbeddedEngine(model, dtype="fp32")
+        greedy = Sampling(top_k=1, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,))
+        ep = agent.run_episodes(engine, tok, task.env, val, greedy, max_turns=task.max_turns, context_len=tok.model_max_length)
+        return float((ep.returns > 0).float().mean())
+
+    return pool, accuracy
 
 
 def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4, max_steps: int = 600,
            batch_size: int = 64, lr: float = 3e-3, eval_every: int = 25, n_eval: int = 256, seed: int = 0) -> dict:
-    """Supervised warm-up on `task.train`, stopping once greedy accuracy (task.reward_fn) on a held-out
-    slice reaches `target_acc`, or after `max_steps` (some seeds plateau). Saves to `out_dir`.
+    """Supervised warm-up on `task.train`, stopping once greedy accuracy (task.reward_fn; for a multi-turn task the
+    share of won episodes) on a held-out slice reaches `target_acc`, or after `max_steps` (some seeds plateau).
+    Saves to `out_dir`.
 
     The first `n_eval` train rows are the validation slice and are never trained on; the rest are
-    visited in seeded shuffled epochs. The loss is the mean cross-entropy over response tokens only
-    (answer + <|im_end|>). Deterministic for a seed (at a fixed torch thread count).
+    visited in seeded shuffled epochs. The loss is the mean cross-entropy over model tokens only
+    (answer + <|im_end|>; a multi-turn task's demonstrations: every turn, never the observations).
+    Deterministic for a seed (at a fixed torch thread count).
     Returns {"steps", "accuracy", "seconds", "history"}.
     """
     start = time.perf_counter()
@@ -155,15 +186,24 @@ def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4,
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if len(task.train) <= n_eval:
         raise ValueError(f"warmup: task {task.name!r} has {len(task.train)} train rows, need more than n_eval={n_eval}")
-    val, rest = task.train[:n_eval], task.train[n_eval:]  # dicts of lists
-    pool = [(encode_prompt(tok, p), tok(a + tok.eos_token, add_special_tokens=False).input_ids)
-            for p, a in zip(rest["prompt"], rest["answer"])]
+    if task.env is not None:
+        pool, accuracy_of = _guess_pool(tok, task, n_eval, seed)
+    else:
+        val, rest = task.train[:n_eval], task.train[n_eval:]  # dicts of lists
+        pool = []
+        for p, a in zip(rest["prompt"], rest["answer"]):
+            x, y = encode_prompt(tok, p), tok(a + tok.eos_token, add_special_tokens=False).input_ids
+            pool.append((x + y, [False] * len(x) + [True] * len(y)))
+
+        def accuracy_of(model) -> float:
+            completions = greedy_completions(model, tok, val["prompt"], task.max_new_tokens)
+            return sum(task.reward_fn(completions, prompts=val["prompt"], answer=val["answer"])) / n_eval
 
     def accuracy() -> float:
         model.eval()
-        completions = greedy_completions(model, tok, val["prompt"], task.max_new_tokens)
+        acc = accuracy_of(model)
         model.train()
-        return sum(task.reward_fn(completions, prompts=val["prompt"], answer=val["answer"])) / n_eval
+        return acc
 
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -197,7 +237,7 @@ def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4,
 
 
 def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "addition") -> str:
-    """Path of the tiny model warmed up on a built-in task ("addition" or "sort"), built on first use and
+    """Path of the tiny model warmed up on a built-in task ("addition", "sort" or "guess"), built on first use and
     cached by task + seed + settings.
 
     Built in a temp folder and renamed into place, so an interrupted build never leaves a half-written

@@ -8,6 +8,9 @@ PY=${PY:-.venv/bin/python}
 exec "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py \
   --model "" \
   --task addition \
+  --env "" \
+  --max-turns 0 \
+  --compact-at 0 \
   --out-dir outputs/cpu \
   --steps 300 \
   --seed 0 \

@@ -179,7 +179,7 @@ def test_load_task_bad_inputs(tmp_path):
         load_task(str(tmp_path / "x.txt"))
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_task(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ValueError, match=r"unknown task 'subtraction': choose one of \['addition', 'sort'\]"):
+    with pytest.raises(ValueError, match=r"unknown task 'subtraction': choose one of \['addition', 'guess', 'sort'\]"):
         get_task("subtraction")
 
 
@@ -264,10 +264,12 @@ def test_score_refuses_float32_overflow():
 
 def test_sft_batch_masks_response_tokens_only():
     tok = build_tokenizer()
-    ids, loss_mask = _sft_batch(tok, [([1, 2, 3], [4, 5]), ([1, 2], [6])])
-    assert ids.tolist() == [[1, 2, 3, 4, 5], [1, 2, 6, PAD_ID, PAD_ID]]
-    # logits at position t predict token t + 1: row 0 predicts 4, 5 from positions 2, 3; row 1 predicts 6 from 1
-    assert loss_mask.tolist() == [[False, False, True, True], [False, True, False, False]]
+    F, T = False, True
+    ids, loss_mask = _sft_batch(tok, [([1, 2, 3, 4, 5], [F, F, F, T, T]), ([1, 2, 6], [F, F, T]), ([1, 7, 8, 9], [F, T, F, T])])
+    assert ids.tolist() == [[1, 2, 3, 4, 5], [1, 2, 6, PAD_ID, PAD_ID], [1, 7, 8, 9, PAD_ID]]
+    # logits at position t predict token t + 1: row 0 predicts 4, 5 from positions 2, 3; row 1 predicts 6 from 1;
+    # row 2 (a multi-turn demonstration) predicts its model tokens 7 and 9, not the observation token 8
+    assert loss_mask.tolist() == [[F, F, T, T], [F, T, F, F], [T, F, T, F]]
 
 
 def test_warmup_stops_at_target_and_is_deterministic(tiny_dir, tmp_path):

@@ -50,6 +50,9 @@ def test_compare_needs_both_margin_and_separate_intervals():
     text = "\n".join(lab.verdict_mismatch(stats))
     assert "DEGRADED int4-none" in text and "int4-icepop HELPS over int4-none" in text and "hypothesis supported" in text
     assert "Null result" in "\n".join(lab.verdict_mismatch({"addition": {"ppo-bf16-none": {"final_sampled": (70, 1, 5)}}}))
+    mt = lambda ppo, grpo: "\n".join(lab.verdict_multi_turn({"guess": {"ppo": {"final_greedy": ppo}, "grpo-n4": {"final_greedy": grpo}}}))  # noqa: E731
+    assert "PPO BETTER (PPO minus GRPO n4: +10.0 points)" in mt((60, 2, 5), (50, 2, 5)) and "PPO WORSE" in mt((50, 2, 5), (60, 2, 5))
+    assert "Null result" in mt((60, 4, 5), (54, 4, 5)) and "not evaluated" in mt((60, 4, 1), (54, 4, 5))
 
 
 def test_a_failed_run_is_reported_with_its_log_and_does_not_stop_the_others(tmp_path, capsys, monkeypatch):

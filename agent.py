@@ -1,0 +1,272 @@
+"""Multi-turn rollouts: the environment interface, the driver that plays episodes on any engine, and context compaction.
+
+An environment works in text. One instance per episode (the class is called with no arguments):
+
+    class MyEnv:                                   # --env path/to/file.py:MyEnv  or  --env package.module:MyEnv
+        def reset(self, row: dict) -> str:         # a task row (its columns: prompt, answer, ...) -> first user message
+            ...
+        def step(self, text: str) -> tuple[str | None, float, bool]:
+            ...                                    # the model's turn -> (observation, reward, done); None only when done
+
+The driver (`run_episodes`) owns every token. It keeps the ids the engine sampled (model text is decoded for the
+environment, never encoded back), and takes each observation's ids from the chat template as a delta: the template
+rendered with and without the new user message, the suffix kept (`observation_ids`). A training row is
+
+    prompt (first user message + assistant header) | turn 1 | obs 1 | turn 2 | obs 2 | ... | turn k
+
+with `Rollout.mask` True on model tokens (trained, with the engine's log-probs) and `Rollout.attend` True on model and
+observation tokens (the trainer attends to observations and never trains on them). Each turn's reward sits on its
+last model token. An episode ends when the environment says done ("done"), after --max-turns turns ("turns"), when a
+turn hits --max-new-tokens without its stop token ("turn_length"), or when the next turn would not fit in the context
+("context").
+
+Context compaction (GLM-5.2): once a row's context would pass `compact_at` tokens, the next user message is the
+observation plus the environment's `summary_request` (default SUMMARY_REQUEST); the model's answer (the summary) is
+trained, that row ends ("compact"), and the episode continues in a new row whose prompt is the first user message plus
+the summary (`summary_prompt`: the summary's sampled ids are spliced in, not re-encoded). Every row of an episode
+carries the episode's return: the rewards of the later rows are added on the row's last model token, so with
+gamma = 1 every token's return-to-go is the episode's (not divided by the number of rows).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from data.rewards import import_target
+from rollout import Rollout, Sampling
+
+ENV_FORMS = "'path/to/file.py:Class' or 'package.module:Class'"
+SUMMARY_REQUEST = "Summarise the progress so far in one line."
+SUMMARY_JOIN = "\nso far: "  # the new row's first user message: the task's, SUMMARY_JOIN, the summary
+DEFAULT_MAX_TURNS = 8  # --max-turns 0 with --env
+FINISH_REASONS = ("done", "turns", "turn_length", "context")  # of an episode; a compacted row's is "compact"
+_CALLS_PER_EPISODE = 1024  # seed stride: engine calls (turns + summaries) one episode may make
+_SLOT = "\x00slot\x00"  # a placeholder content for chat-template renders
+
+
+def load_env(spec: str):
+    """The environment class a --env value names ('path/to/file.py:Class' or 'package.module:Class'). Every
+    problem is a ValueError naming --env, before any work."""
+    module, where, name = import_target(spec, "--env", "an environment", ENV_FORMS)
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"--env {spec!r}: {where} has no class {name!r}" + ("" if cls is None else f" (it is a {type(cls).__name__})"))
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"--env {spec!r}: {name} has no {' and no '.join(missing)} method (an environment needs reset(row) "
+                         "-> str and step(text) -> (observation or None, reward, done))")
+    return cls
+
+
+# ----------------------------------------------------------------------------- chat-template deltas
+
+
+def _render(tok, messages, generation_prompt: bool) -> str:
+    return tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+
+def observation_ids(tok, message: str) -> list[int]:
+    """Token ids that follow a model turn's stop token: the end of the assistant turn (what the template writes after
+    the stop token, e.g. ChatML's newline), the user message, and the next assistant header. Taken from the chat
+    template as a delta, with a placeholder for the model's turn, so no model text is encoded."""
+    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SLOT}]
+    before = _render(tok, base, False)
+    after = _render(tok, base + [{"role": "user", "content": message}], True)
+    cut = before.index(_SLOT) + len(_SLOT)
+    if not after.startswith(before[:cut]):
+        raise ValueError("observation_ids: the chat template renders earlier turns differently once a message follows "
+                         "them, so observation tokens cannot be taken as a delta")
+    rest = after[cut:]
+    if not rest.startswith(tok.eos_token):
+        raise ValueError(f"observation_ids: the chat template does not end an assistant turn with the EOS token "
+                         f"{tok.eos_token!r} (it writes {rest[:20]!r}), which the model's turns stop at")
+    return tok(rest[len(tok.eos_token):], add_special_tokens=False).input_ids
+
+
+def first_prompt_ids(tok, message: str) -> list[int]:
+    return tok(_render(tok, [{"role": "user", "content": message}], True), add_special_tokens=False).input_ids
+
+
+def summary_prompt(tok, first: str, summary_ids: list[int]) -> list[int]:
+    """The prompt of a compacted episode's next row: the first user message, SUMMARY_JOIN and the summary's own
+    sampled ids (without their stop token), spliced into the rendered template."""
+    text = _render(tok, [{"role": "user", "content": first + SUMMARY_JOIN + _SLOT}], True)
+    head, tail = text.split(_SLOT)
+    enc = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+    return enc(head) + list(summary_ids) + enc(tail)
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    model: list[bool] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    turns: int = 0
+    finish: str = ""
+
+    def add(self, ids, logp=None, model=True):
+        self.tokens += ids
+        self.model += [model] * len(ids)
+        self.logp += logp if logp is not None else [0.0] * len(ids)
+        self.rewards += [0.0] * len(ids)
+
+
+@dataclass
+class _Episode:
+    k: int
+    env: object
+    first: str
+    rows: list[_Row]
+    messages: list[dict]
+    turns: int = 0
+    calls: int = 0
+    ret: float = 0.0
+    finish: str = ""
+    summarising: bool = False
+
+
+@dataclass
+class Episodes:
+    """What run_episodes returns: B training rows (one per row of an episode: several with compaction)."""
+
+    rollout: Rollout
+    """mask = model tokens, attend = model and observation tokens, infer_logp 0 on observations; finish_reasons per
+    row: "compact" for a row that ended in a summary, else the episode's FINISH_REASONS."""
+    rewards: torch.Tensor
+    """[B, T] float32: each turn's reward on its last model token; a compacted row also carries the rewards of the
+    episode's later rows on its last model token."""
+    returns: torch.Tensor
+    """[E] float32: the return (sum of rewards) of each episode; episode e is row e // n of the call, sample e % n."""
+    episode: list[int]
+    """Per row: its episode."""
+    turns: list[int]
+    """Per episode: environment turns played (summaries are not turns)."""
+    finish: list[str]
+    """Per episode: how it ended (FINISH_REASONS)."""
+    messages: list[list[dict]]
+    """Per episode: the conversation as chat messages (for samples files); a compaction shows as the summary request
+    and the summary."""
+
+
+def _check_step(out, env, turn: int, text: str):
+    name = type(env).__name__
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise RuntimeError(f"environment {name}.step returned {out!r} on turn {turn} (model text {text!r}); it must return "
+                           "(observation: str or None, reward: float, done: bool)")
+    obs, reward, done = out
+    if not isinstance(done, bool):
+        raise RuntimeError(f"environment {name}.step returned done={done!r} on turn {turn}; done must be a bool")
+    if not (isinstance(reward, numbers.Real) and not isinstance(reward, bool) and math.isfinite(reward)):
+        raise RuntimeError(f"environment {name}.step returned reward {reward!r} on turn {turn} (model text {text!r}); "
+                           "rewards must be finite numbers")
+    if not (isinstance(obs, str) or (obs is None and done)):
+        raise RuntimeError(f"environment {name}.step returned observation {obs!r} with done={done} on turn {turn}; an "
+                           "observation must be a str (None only when done)")
+    return obs, float(reward), done
+
+
+def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, max_turns: int, context_len: int,
+                 compact_at: int = 0) -> Episodes:
+    """Play sampling.n episodes per task row with `engine` (any rollout.Engine: one generate call per turn over the live
+    episodes). Episode e (row e // n, sample e % n) makes its c-th engine call with seed
+    (sampling.seed + e) * 1024 + c, so an episode's draws do not depend on the other episodes in the call, and a batch
+    split over calls (data-parallel ranks) whose seeds are offset by their first episode gives the same episodes.
+    Every turn gets sampling.max_new_tokens; a turn that would pass context_len is not started ("context")."""
+    if not 1 <= max_turns < _CALLS_PER_EPISODE // 2:  # turns and summaries must stay within the seed stride
+        raise ValueError(f"run_episodes: max_turns must be in [1, {_CALLS_PER_EPISODE // 2}), got {max_turns}")
+    N = sampling.max_new_tokens
+    eps = []
+    for i, row in enumerate(rows):
+        for _ in range(sampling.n):
+            env = env_cls()
+            first = env.reset(row)
+            if not isinstance(first, str) or not first:
+                raise RuntimeError(f"environment {env_cls.__name__}.reset returned {first!r} for row {i}; it must return the "
+                                   "first user message (a non-empty str)")
+            prompt = first_prompt_ids(tok, first)
+            if len(prompt) + N > context_len:
+                raise ValueError(f"run_episodes: row {i}'s first message is {len(prompt)} tokens; with --max-new-tokens {N} "
+                                 f"it does not fit in the context ({context_len})")
+            eps.append(_Episode(len(eps), env, first, [_Row(prompt)], [{"role": "user", "content": first}]))
+    request = lambda e: getattr(e.env, "summary_request", SUMMARY_REQUEST)  # noqa: E731
+    while True:
+        live = []
+        for e in eps:
+            if not e.finish and len(e.rows[-1].prompt) + len(e.rows[-1].tokens) + N > context_len:
+                e.finish = "context"
+            if not e.finish:
+                live.append(e)
+        if not live:
+            break
+        seeds = tuple(((sampling.seed + e.k) * _CALLS_PER_EPISODE + e.calls) % 2**31 for e in live)
+        ro = engine.generate([e.rows[-1].prompt + e.rows[-1].tokens for e in live], replace(sampling, n=1, seeds=seeds))
+        for i, e in enumerate(live):
+            row, m = e.rows[-1], ro.mask[i]
+            ids = ro.tokens[i][m].tolist()
+            row.add(ids, ro.infer_logp[i][m].tolist())
+            e.calls += 1
+            if ro.finish_reasons[i] != "stop":
+                e.finish = "turn_length"
+                continue
+            text = tok.decode(ids, skip_special_tokens=True)
+            e.messages.append({"role": "assistant", "content": text})
+            if e.summarising:  # this turn was the summary: the row ends, the episode goes on from the task + summary
+                row.finish, e.summarising = "compact", False
+                e.rows.append(_Row(summary_prompt(tok, e.first, ids[:-1])))
+                continue
+            obs, reward, done = _check_step(e.env.step(text), e.env, e.turns + 1, text)
+            row.rewards[-1] += reward
+            row.turns += 1
+            e.turns += 1
+            e.ret += reward
+            if done or e.turns == max_turns:
+                e.finish = "done" if done else "turns"
+                continue
+            obs_ids = observation_ids(tok, obs)
+            if compact_at and len(row.prompt) + len(row.tokens) + len(obs_ids) > compact_at:
+                obs = f"{obs}\n\n{request(e)}"
+                obs_ids, e.summarising = observation_ids(tok, obs), True
+            e.messages.append({"role": "user", "content": obs})
+            row.add(obs_ids, model=False)
+
+    out = []  # (episode, row)
+    for k, e in enumerate(eps):
+        rs = [r for r in e.rows if any(r.model)]  # a new row with no turn (the context ran out) is not a row
+        later = 0.0
+        for r in reversed(rs):
+            r.finish = r.finish or e.finish
+            last = max(j for j, is_model in enumerate(r.model) if is_model)
+            own = sum(r.rewards)
+            r.rewards[last] += later  # the rest of the episode's rewards: every row carries the episode's return
+            later += own
+        out += [(k, r) for r in rs]
+    B, T = len(out), max(len(r.tokens) for _, r in out)
+    tokens, attend, mask = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.bool)
+    logp, rewards = torch.zeros(B, T), torch.zeros(B, T)
+    for b, (_, r) in enumerate(out):
+        L = len(r.tokens)
+        tokens[b, :L], attend[b, :L], mask[b, :L] = torch.tensor(r.tokens), True, torch.tensor(r.model)
+        logp[b, :L], rewards[b, :L] = torch.tensor(r.logp), torch.tensor(r.rewards)
+    ro = Rollout(tokens=tokens, infer_logp=logp, mask=mask, prompt_ids=[r.prompt for _, r in out],
+                 finish_reasons=[r.finish for _, r in out], attend=attend)
+    return Episodes(ro, rewards, torch.tensor([e.ret for e in eps]), [k for k, _ in out], [e.turns for e in eps],
+                    [e.finish for e in eps], [e.messages for e in eps])
+
+
+def episode_metrics(ep: Episodes) -> dict[str, float]:
+    """rollout/turns_mean, rollout/obs_token_frac (observation tokens / all response tokens), rollout/rows_per_episode
+    and rollout/finish_<reason>_frac of each FINISH_REASON (0 when absent: every rank logs the same keys)."""
+    ro, E = ep.rollout, len(ep.turns)
+    out = {"rollout/turns_mean": sum(ep.turns) / E, "rollout/rows_per_episode": len(ep.episode) / E,
+           "rollout/obs_token_frac": float((ro.attend & ~ro.mask).sum() / ro.attend.sum().clamp_min(1))}
+    out.update({f"rollout/finish_{k}_frac": sum(f == k for f in ep.finish) / E for k in FINISH_REASONS})
+    return out

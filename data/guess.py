@@ -1,0 +1,100 @@
+"""`--task guess`: a multi-turn task the tiny model can learn. The prompt names a range, each model turn is a number, the
+environment answers; reward 1 when the secret is found within the turn budget (--max-turns, default 6).
+
+    user: guess 23-87          assistant: 55      user: <      assistant: 39      user: >      assistant: 47  -> reward 1
+
+Observations: "<" the secret is below the guess, ">" above it, "?" the turn is not a number in [1, 99]; "=" is not
+sent: a correct guess ends the episode. Ranges are 9 to 41 numbers wide, so bisection always finds the secret in 6
+turns. The interval left is an exact summary of an episode, which makes compaction testable: asked for a summary
+(SUMMARY_REQUEST), the policy answers with it ("41-60"), and the next row starts from "guess 23-87\nso far: 41-60".
+
+The tiny model's warm-up (data/tiny.py) imitates noisy bisection (`demo_engine`: the midpoint of the interval left
+half of the time, a uniform draw from it otherwise, and the exact interval when asked to summarise), trained on model
+tokens only, so RL starts from a policy that wins some of the time and has room to improve.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import torch
+
+from data.tasks import Task, _dataset
+from rollout import Rollout
+
+LO, HI = 1, 99
+MIN_WIDTH, MAX_WIDTH = 8, 40  # hi - lo
+MAX_TURNS = 6
+SUMMARY_REQUEST = "range?"
+_MESSAGE = re.compile(r"<\|im_start\|>(user|assistant)\n(.*?)(?:<\|im_end\|>|$)", re.S)
+
+
+class GuessEnv:
+    """The secret is the row's answer. turn_cost: subtracted on every turn that does not find it (default 0)."""
+
+    summary_request = SUMMARY_REQUEST
+    turn_cost = 0.0
+
+    def reset(self, row: dict) -> str:
+        self.secret = int(row["answer"])
+        return row["prompt"]
+
+    def step(self, text: str):
+        t = text.strip()
+        if not (t.isascii() and t.isdigit() and LO <= int(t) <= HI):
+            return "?", -self.turn_cost, False
+        if int(t) == self.secret:
+            return None, 1.0, True
+        return ("<" if self.secret < int(t) else ">"), -self.turn_cost, False
+
+
+def guess_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ranges: float = 0.15) -> Task:
+    """Rows {prompt "guess lo-hi", answer the secret}; the test ranges are disjoint from the train ranges (a seeded
+    test_ranges share of all ranges), the secret is uniform in the range."""
+    rng = random.Random(seed)
+    ranges = [(lo, lo + w) for w in range(MIN_WIDTH, MAX_WIDTH + 1) for lo in range(LO, HI - w + 1)]
+    rng.shuffle(ranges)
+    cut = int(len(ranges) * test_ranges)
+
+    def rows(pool, n):
+        return [(f"guess {lo}-{hi}", str(rng.randint(lo, hi))) for lo, hi in (rng.choice(pool) for _ in range(n))]
+
+    test, train = rows(ranges[:cut], n_test), rows(ranges[cut:], n_train)
+    return Task("guess", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=8, env=GuessEnv, max_turns=MAX_TURNS)
+
+
+def interval(conversation: str) -> tuple[int, int, bool]:
+    """(lo, hi, asked for a summary) of the secret's interval left after a conversation in ChatML text."""
+    msgs = [m for m in _MESSAGE.findall(conversation) if m[1]]  # not the open assistant header at the end
+    first = msgs[0][1]
+    lo, hi = map(int, re.findall(r"(\d+)-(\d+)", first)[-1])  # the range, or the summary after "so far: "
+    for (_, guess), (_, obs) in zip(msgs[1::2], msgs[2::2]):
+        g = int(guess) if guess.strip().isdigit() else None
+        if g is not None and obs.startswith("<"):
+            hi = min(hi, g - 1)
+        elif g is not None and obs.startswith(">"):
+            lo = max(lo, g + 1)
+    return lo, hi, msgs[-1][1].rstrip().endswith(SUMMARY_REQUEST)
+
+
+class demo_engine:
+    """A rollout engine that plays noisy bisection (for the warm-up's demonstrations): from the interval left, the
+    midpoint with probability p_mid, else a uniform draw; the interval itself when asked for a summary. Draws come
+    from each row's seed, so demonstrations are reproducible."""
+
+    def __init__(self, tok, p_mid: float = 0.5):
+        self.tok, self.p_mid = tok, p_mid
+
+    def generate(self, prompt_ids, sampling) -> Rollout:
+        outs = []
+        for r, ids in enumerate(prompt_ids):
+            rng = random.Random(sampling.row_seed(r))
+            lo, hi, summary = interval(self.tok.decode(ids))
+            lo, hi = min(lo, hi), max(lo, hi)
+            text = f"{lo}-{hi}" if summary else str((lo + hi) // 2 if rng.random() < self.p_mid else rng.randint(lo, hi))
+            outs.append(self.tok(text, add_special_tokens=False).input_ids + [self.tok.eos_token_id])
+        T = max(map(len, outs))
+        tokens = torch.tensor([o + [0] * (T - len(o)) for o in outs])
+        mask = torch.tensor([[True] * len(o) + [False] * (T - len(o)) for o in outs])
+        return Rollout(tokens, torch.zeros(tokens.shape), mask, [list(p) for p in prompt_ids], ["stop"] * len(outs))
