@@ -3,7 +3,6 @@ ids, budgets end episodes with their reason, compaction rows carry the episode's
 
 import json
 import os
-import random
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import losses as L
 from data.guess import GuessEnv, demo_engine, guess_task, interval
 from data.tiny import build_tiny_model, build_tokenizer, default_model
 from rollout import EmbeddedEngine, Rollout, Sampling
-from train_ppo import Config, main, minibatches, resolve
+from train_ppo import Config, minibatches, resolve
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
