@@ -201,6 +201,13 @@ def full_weights(model: nn.Module, bucket_bytes: int = 64 << 20) -> Iterator[lis
 
 
 @torch.no_grad()
+def all_reduce(x: Tensor, group=None, op=dist.ReduceOp.SUM) -> Tensor:
+    """dist.all_reduce in place, returning x; the identity without a process group (one process)."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
 def all_reduce_grads(model: nn.Module, dp_group: dist.ProcessGroup | None, bucket_bytes: int = 64 << 20) -> None:
     """Sum every trainable parameter's gradient over the data-parallel ranks (in place).
 

@@ -40,7 +40,7 @@ from config import RESUMABLE, Config, check_model, check_resume, resolve  # noqa
 from agent import DEFAULT_MAX_TURNS, episode_metrics, load_env, run_episodes
 from data.rewards import load_reward, majority_correct, pass_at_k
 from data.tasks import Scores, encode_prompt, get_task, reward_columns, score
-from parallel import all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
+from parallel import all_reduce, all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
 from rollout import EmbeddedEngine, Sampling
 from runlog import RunLog, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint
 from value_model import build_critic, critic_values, load_critic
@@ -55,12 +55,6 @@ def timed(times: dict, name: str):
     start = time.perf_counter()
     yield
     times[f"time/{name}"] = time.perf_counter() - start
-
-
-def all_reduce(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(x, op=op, group=group)
-    return x
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
@@ -88,19 +82,13 @@ def reward_metrics(sc, group) -> dict[str, float]:
     for extra in sc.extras:
         for k, v in extra.items():
             if k != "pred" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                total = local.setdefault(f"reward/{k}", [0.0, 0])
-                total[0] += v
-                total[1] += 1
+                total = local.get(f"reward/{k}", [0.0, 0])
+                local[f"reward/{k}"] = [total[0] + v, total[1] + 1]
     parts = [local]
     if dist.is_initialized():
         parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, local, group=group)
-    sums: dict[str, list] = {}
-    for part in parts:
-        for k, (v, c) in part.items():
-            sums.setdefault(k, [0.0, 0])
-            sums[k][0] += v
-            sums[k][1] += c
+    sums = {k: [sum(p[k][i] for p in parts if k in p) for i in (0, 1)] for k in {k for p in parts for k in p}}
     return {k: v / c if c else float("nan") for k, (v, c) in sums.items()}
 
 
@@ -229,8 +217,18 @@ def push_weights(policy, engine) -> None:
             pass
 
 
-def decode(tok, ro) -> list[str]:
-    return tok.batch_decode([t[m].tolist() for t, m in zip(ro.tokens, ro.mask)], skip_special_tokens=True)
+def rollouts(engine, tok, rows, s: Sampling, play):
+    """s.n samples of each task row: a Rollout, or with a multi-turn task (play) agent.Episodes."""
+    return play(engine, rows.to_list(), s) if play else engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], s)
+
+
+def scored(task, tok, rows, n: int, out, play) -> tuple[list, Scores]:
+    """(completions, Scores) of rollouts(): per episode its conversation and return, or the decoded responses and the
+    task's reward on them."""
+    if play:
+        return out.messages, Scores.of(out.returns)
+    texts = tok.batch_decode([t[m].tolist() for t, m in zip(out.tokens, out.mask)], skip_special_tokens=True)
+    return texts, score(task, texts, reward_columns(rows, n))
 
 
 def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int, play=None) -> tuple[dict[str, float], list[dict]]:
@@ -253,16 +251,10 @@ def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, d
         lo, hi = size * dp_rank // dp, size * (dp_rank + 1) // dp  # contiguous shards: row seeds as in one process
         test = task.test.select(range(lo, hi))
         prompts, answers = test["prompt"], test["answer"]
-        ids = [encode_prompt(tok, p) for p in prompts]
         greedy = Sampling(**{**asdict(sampling), "top_k": 1, "n": 1})
         sampled = Sampling(**{**asdict(sampling), "n": n, "seed": cfg.seed + 7 + lo * n})  # row r has seed + r
-        for k, (kind, s, m) in enumerate((("greedy", greedy, 1), ("sampled", sampled, n)) if ids else ()):
-            if play is not None:
-                ep = play(engine, test.to_list(), s)
-                texts, sc = ep.messages, Scores.of(ep.returns)
-            else:
-                texts = decode(tok, engine.generate(ids, s))
-                sc = score(task, texts, reward_columns(test, m))
+        for k, (kind, s, m) in enumerate((("greedy", greedy, 1), ("sampled", sampled, n)) if len(test) else ()):
+            texts, sc = scored(task, tok, test, m, rollouts(engine, tok, test, s, play), play)
             r = sc.rewards * sc.rewarded  # None counts as 0
             counts[k] = r.sum()
             records += [{**sc.extras[i], "kind": kind, "problem": lo + i // m, "sample": i % m, "prompt": prompts[i // m],
@@ -275,7 +267,7 @@ def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, d
                 for j, kk in enumerate(ks):
                     counts[4 + j] = sum(pass_at_k(n, sum(x > 0 for x in row), kk) for row in R)
                     counts[4 + len(ks) + j] = sum(majority_correct(preds[p * n : (p + 1) * n], R[p], kk) for p in range(len(R)))
-        counts[2] = len(ids)
+        counts[2] = len(test)
     all_reduce(counts)
     out = {"eval/greedy_acc": (counts[0] / counts[2]).item(), "eval/sampled_acc": (counts[1] / (counts[2] * n)).item()}
     if ks:
@@ -406,7 +398,7 @@ def main(cfg: Config) -> list[dict]:
                 # global batch does not depend on how it is split over data-parallel ranks.
                 seed = (cfg.seed * 1_000_003 + g * cfg.rollout_batch + dp_rank * plan["rows"]) % 2**31
                 s = Sampling(**{**asdict(sampling), "seed": seed})
-                out = play(engine, rows.to_list(), s) if play else engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], s)
+                out = rollouts(engine, tok, rows, s, play)
                 engine.sleep()
             if tp_mesh is not None and tp_mesh.size() > 1:
                 box = [out]
@@ -419,11 +411,11 @@ def main(cfg: Config) -> list[dict]:
         # the denominators); in GRPO so do the groups with fewer than 2 rewarded rows (no baseline). gen_mask keeps
         # every model token (mismatch metrics); observation tokens are in neither.
         with timed(times, "reward"):
-            if play:  # per row its episode's return; sc (for the metrics) per episode
-                sc, scores = Scores.of(out.returns), out.returns[out.episode]
-                rewarded, token_rewards = torch.ones(len(scores), dtype=torch.bool, device=rt.device), out.rewards
+            _, sc = scored(task, tok, rows, plan["n"], out, play)  # multi-turn: per episode (metrics); rows get its return
+            if play:
+                scores, token_rewards = out.returns[out.episode], out.rewards
+                rewarded = torch.ones(len(scores), dtype=torch.bool, device=rt.device)
             else:
-                sc = score(task, decode(tok, ro), reward_columns(rows, plan["n"]))
                 scores, rewarded = sc.rewards, sc.rewarded.to(rt.device)
                 token_rewards = L.last_token_rewards(scores, ro.mask)
             b = ro.to_batch(tok.pad_token_id)
