@@ -140,11 +140,20 @@ class Config:
     """Rollout engine."""
     engine_dtype: Literal["fp32", "bf16", "fp8", "int4"] = "bf16"
     """Engine weights: fp32, bf16, fp8 (per-channel) or int4 (weight-only, groups of 32) fake-quantised decoder
-    Linears over bf16 compute; the trainer is fp32, so all but fp32 create the mismatch IcePop corrects."""
+    Linears over bf16 compute; against an fp32 trainer (--train-dtype) all but fp32 create the mismatch IcePop corrects."""
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """Engine KV cache: auto = the engine's compute dtype; fp8 = float8_e4m3 keys and values (scale 1)."""
     tp: int = 1
     """Tensor-parallel ranks per replica (data parallel = world size / tp)."""
+    fsdp: bool = False
+    """Shard parameters, gradients and AdamW states of policy, critic and reference over the data-parallel ranks
+    (FSDP2 on the mesh's dp axis; composes with --tp). Without it every dp rank holds full replicas."""
+    shared_prefix: bool = True
+    """With n > 1 samples per prompt, the trainer packs each prompt once with its n responses (a block attention mask)
+    instead of n padded rows: the same outputs, the prompt computed once per group (needs SDPA attention)."""
+    train_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Trainer compute: bf16 = autocast over fp32 master weights (fp32 gradients, reductions, AdamW states, log-probs and
+    losses); auto = bf16 on CUDA, fp32 on CPU (where the exactness tests run)."""
     # outputs
     eval_every: int = 20
     """Held-out evaluation (greedy and sampled accuracy) every N steps, and before and after the run."""
@@ -246,6 +255,9 @@ def resolve(cfg: Config, world_size: int) -> dict:
             load_env(cfg.env)
         except ValueError as e:
             errors.append(str(e))
+    if cfg.fsdp and cfg.compact_at:
+        errors.append("--fsdp with --compact-at is not supported: compaction gives data-parallel ranks different numbers of "
+                      "rows, and FSDP needs every rank to run the same forwards")
     if cfg.max_turns < 0 or cfg.compact_at < 0:
         errors.append(f"--max-turns and --compact-at must be >= 0 (0 = the default / off), got {cfg.max_turns} and {cfg.compact_at}")
     if not multi_turn and (cfg.max_turns or cfg.compact_at):

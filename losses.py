@@ -18,6 +18,7 @@ Each function's docstring states its formula, shapes, denominator and source.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 # exp() of a log-ratio beyond +-20 (a factor of 5e8) is never a useful ratio; clamping keeps exp finite
@@ -29,6 +30,9 @@ EXCLUDED_LOGP = -1e4
 # Rows of [N, V] logits handled at once by token_logprobs / entropy_from_logits: bounds the float32
 # temporaries of log-softmax to CHUNK_ROWS x V instead of B x T x V.
 CHUNK_ROWS = 1024
+# Logits computed at once by head_logprobs (positions x vocabulary): 2**25 float32 = 128 MiB, 220 positions of Qwen's
+# 151,936-token vocabulary, so a step's logits memory stays flat in both prompt and response length.
+HEAD_CHUNK_ELEMENTS = 2**25
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -101,6 +105,38 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *, 
         picked = x.gather(-1, flat_tokens[start : start + CHUNK_ROWS]).squeeze(-1)
         out.append((picked - torch.logsumexp(x, dim=-1)).clamp_min(EXCLUDED_LOGP))
     return torch.cat(out).view(tokens.shape) if out else flat_logits.new_zeros(tokens.shape, dtype=torch.float32)
+
+
+def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0,
+                  entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """token_logprobs(head(hidden), tokens) without a [B, T, V] logits tensor: the LM head runs on HEAD_CHUNK_ELEMENTS // V
+    positions at a time and each chunk's logits are freed at once; under autograd a chunk is checkpointed, so its backward
+    recomputes head(chunk) instead of keeping every chunk's logits. Peak extra memory is a few copies of one chunk's
+    logits, whatever B and T.
+
+    head: the LM head (an nn.Linear [N, H] -> [N, V], possibly tensor-parallel); hidden: [B, T, H] hidden states aligned so hidden[:, t] predicts
+    tokens[:, t] (long [B, T]). Returns (log-probs [B, T] float32, differentiable w.r.t. hidden and the head's weights;
+    entropy [B, T] float32 of softmax(logits / temperature), detached, or None unless ``entropy``).
+    """
+    assert hidden.dim() == 3 and tokens.shape == hidden.shape[:2], f"hidden {tuple(hidden.shape)} vs tokens {tuple(tokens.shape)}"
+    flat_h, flat_t = hidden.reshape(-1, hidden.size(-1)), tokens.reshape(-1, 1)
+
+    def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+        logits = head(h)[None]
+        lp = token_logprobs(logits, t.view(1, -1), temperature, top_k=top_k, top_p=top_p)[0]
+        return lp, entropy_from_logits(logits.detach(), temperature)[0] if entropy else lp.detach()
+
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    logp, ent, step = [], [], max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])  # a DTensor weight reports its global shape
+    for start in range(0, flat_h.size(0), step):
+        h, t = flat_h[start : start + step], flat_t[start : start + step]
+        lp, e = torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t)
+        logp.append(lp)
+        ent.append(e.detach())
+    if not logp:
+        empty = hidden.new_zeros(tokens.shape, dtype=torch.float32)
+        return empty, empty if entropy else None
+    return torch.cat(logp).view(tokens.shape), torch.cat(ent).view(tokens.shape) if entropy else None
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:

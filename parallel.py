@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
@@ -116,8 +117,9 @@ def check_tp(model: nn.Module, tp: int) -> None:
             raise ValueError(f"{name}: {key}={size} is not divisible by tp={tp}; choose a tp that divides it")
 
 
-def parallelize(model: nn.Module, tp_mesh: DeviceMesh | None) -> nn.Module:
-    """Shard ``model`` in place over ``tp_mesh`` (1-D, the "tp" axis); a no-op for None or a 1-rank mesh.
+def parallelize(model: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` (1-D, the "tp" axis), then with a ``dp_mesh`` (--fsdp) over the "dp"
+    axis too (``shard_dp``); a no-op for None or 1-rank meshes.
 
     Serves the policy (*ForCausalLM) and the critic (*ForTokenClassification: ``.model`` backbone and a
     replicated ``.score`` head). Every rank must hold the same weights beforehand (same checkpoint or
@@ -126,7 +128,7 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh | None) -> nn.Module:
     returns ordinary full tensors (logits [B, L, V], values [B, L, 1]) on every rank.
     """
     if tp_mesh is None or tp_mesh.size() == 1:
-        return model
+        return shard_dp(model, dp_mesh)
     check_tp(model, tp_mesh.size())
     embed = model.model.embed_tokens
     tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is embed.weight
@@ -164,6 +166,26 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh | None) -> nn.Module:
         model.lm_head.weight = model.model.embed_tokens.weight
     for n, p in model.named_parameters():
         p.requires_grad_(n not in frozen)
+    return shard_dp(model, dp_mesh)
+
+
+def shard_dp(model: nn.Module, dp_mesh: DeviceMesh | None) -> nn.Module:
+    """FSDP2 over the "dp" axis (torchtitan's ``apply_fsdp``): each decoder layer is one ``fully_shard`` group and the
+    root (embedding, final norm, LM head or score head, a tied weight with them) the last, so parameters, gradients
+    and AdamW states are split over the dp ranks and a layer's full weights exist only during its forward and backward.
+    On a TP model the parameters become 2-D DTensors (dp shard x tp placement). Backward reduce-scatters each layer's
+    gradients as a SUM (divide factor 1; the losses are already divided by the global token count), so
+    ``all_reduce_grads`` leaves an FSDP model alone. Every dp rank must then run the same forwards and backwards.
+    A no-op for None or a 1-rank mesh."""
+    if dp_mesh is None or dp_mesh.size() == 1:
+        return model
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM / AVG)
     return model
 
 
@@ -217,8 +239,8 @@ def all_reduce_grads(model: nn.Module, dp_group: dist.ProcessGroup | None, bucke
     Gradients are flattened into buckets of about ``bucket_bytes`` (one collective per bucket, not per
     parameter: on small models the per-call latency dominates), reduced, and copied back.
     """
-    if dp_group is None or dist.get_world_size(dp_group) == 1:
-        return
+    if dp_group is None or dist.get_world_size(dp_group) == 1 or isinstance(model, FSDPModule):
+        return  # FSDP summed them during backward
     # model.parameters() is in the same order on every rank (and lists a tied weight once), so the
     # buckets pair up; a parameter that got no gradient on this rank contributes zeros.
     grads = []
@@ -244,16 +266,19 @@ def all_reduce_grads(model: nn.Module, dp_group: dist.ProcessGroup | None, bucke
 def clip_grad_norm_(params: Iterable[Tensor], max_norm: float) -> Tensor:
     """Scale gradients in place so their global L2 norm is at most ``max_norm``; return the norm before.
 
-    Gradients may be a mix of DTensors (sharded weights) and plain tensors (replicated norms, heads),
-    which torch's own clip_grad_norm_ refuses to stack together. The DTensor group's norm is reduced
-    over the mesh (a shard counts once, a replicated DTensor once), the plain group's is local (its
-    gradients are identical on every TP rank), and total = sqrt(a^2 + b^2): the unsharded model's norm.
+    Gradients may be a mix of DTensors (sharded weights, on one or two meshes) and plain tensors (replicated
+    norms, heads), which torch's own clip_grad_norm_ refuses to stack together. Each DTensor group's norm is
+    reduced over its mesh (a shard counts once, a replicated DTensor once), the plain group's is local (its
+    gradients are identical on every TP rank), and total = sqrt(sum of squares): the unsharded model's norm.
     Returns a 0-d float32 tensor on the gradients' device.
     """
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.zeros(())
-    groups = [[p for p in params if isinstance(p.grad, DTensor)], [p for p in params if not isinstance(p.grad, DTensor)]]
+    meshes = {}  # DTensor gradients by mesh (with --fsdp and TP: 2-D for sharded weights, 1-D dp for the rest), then plain
+    for p in params:
+        meshes.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    groups = list(meshes.values())
     norms = []
     for group in groups:
         if group:

@@ -2,20 +2,16 @@
 
     engine = EmbeddedEngine("path/to/policy", dtype="fp32", device="cpu")
     ro = engine.generate([[5, 7, 9], [5, 8]], Sampling(temperature=1.0, max_new_tokens=32, n=4, stop_token_ids=(2,)))
-    input_ids, attention_mask, position_ids, P = ro.to_batch(pad_id=0)
+    b = ro.to_batch(pad_id=0)                        # the trainer's sequences (TrainBatch)
     engine.sleep()                                   # free the KV cache (on CUDA also the weights)
     ...                                              # train the policy
     engine.wake(); engine.update_weights(policy.named_parameters())
 
 Alignment, stated once: a `Rollout` holds response tokens as [B, T] right-padded tensors with a bool
 `mask` (True on generated tokens, the stop token included), the convention of losses.py. `to_batch`
-left-pads the prompts to a common length P and appends the responses, so the response block of
-every row starts at column P, and
-
-    logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    old_logp = losses.token_logprobs(logits[:, P - 1 : -1], ro.tokens, temperature, top_k=k, top_p=p)
-
-gives old_logp [B, T] aligned with ro.infer_logp (logits[:, j] predicts input_ids[:, j + 1]).
+left-pads the prompts to a common length P and appends the responses, so the response block of every
+row starts at column P, and the model's outputs at columns `b.keep` = P - 1 .. P + T - 2 predict the
+response tokens: log-probs [B, T] aligned with ro.infer_logp (train_ppo.response_logprobs).
 
 `EmbeddedEngine` runs its own compact forward pass (gpt-fast style: SDPA, RoPE, GQA, a preallocated
 KV cache) over copies of the weights of a Hugging Face Llama / Qwen2 / Qwen3 causal LM: no mask
@@ -92,12 +88,34 @@ class Sampling:
 
 
 class TrainBatch(NamedTuple):
-    """Full sequences for the trainer's recompute; see the module docstring for the alignment."""
+    """Full sequences for the trainer's forwards; see the module docstring for the alignment. One sequence per row,
+    or after ``shared(n)`` one per group of n rows: the group's prompt once, then its n responses one after another."""
 
-    input_ids: Tensor  # [B, P + T] long: left-padded prompt, response, right padding
-    attention_mask: Tensor  # [B, P + T] long: 1 on prompt and response tokens
+    input_ids: Tensor  # [B, P + T] long: left-padded prompt, response, right padding (shared: [B / n, P + n T])
+    attention_mask: Tensor  # [B, P + T] long: 1 on prompt and response tokens (shared: [B / n, 1, S, S] bool, True = attend)
     position_ids: Tensor  # [B, P + T] long: 0 at each row's first real token (what the engine used)
     response_start: int  # P: column of the first response token in every row
+    keep: Tensor  # [T] (shared: [n T]) long: the columns whose hidden states predict the response tokens, row by row
+    group: int = 1  # rows per sequence
+
+    def shared(self, n: int) -> TrainBatch:
+        """Each group of n consecutive rows (one prompt's samples) as one sequence: the prompt's P columns, then the n
+        responses' T columns each. Response i attends the prompt and its own earlier tokens only (a block mask; SDPA),
+        at the positions of its own row, so every output equals the per-row batch's; the prompt is computed once."""
+        B, S = self.input_ids.shape
+        P, T, G = self.response_start, S - self.response_start, B // n
+        ids, am, pos = (x.view(G, n, S) for x in (self.input_ids, self.attention_mask, self.position_ids))
+        if B % n or not ((ids[:, :, :P] == ids[:, :1, :P]) & (am[:, :, :P] == am[:, :1, :P])).all():
+            raise ValueError(f"TrainBatch.shared({n}): the {B} rows are not groups of {n} consecutive rows with one prompt each")
+        input_ids, position_ids, real = (torch.cat([x[:, 0, :P], x[:, :, P:].reshape(G, n * T)], 1) for x in (ids, pos, am))
+        seg = torch.cat([torch.zeros(P, dtype=torch.long), torch.arange(1, n + 1).repeat_interleave(T)]).to(ids.device)  # 0 = prompt
+        col = torch.arange(P + n * T, device=ids.device)
+        block = (col[None, :] <= col[:, None]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))  # [query, key]
+        # A padding column attends itself, so no row of the mask is empty (SDPA would return NaN there; unused anyway).
+        mask = (block[None] & real.bool()[:, None, :]) | torch.eye(len(col), dtype=torch.bool, device=ids.device)
+        first = torch.arange(n, device=ids.device)[:, None] * T + torch.arange(T, device=ids.device) + P - 1  # token j <- column j - 1
+        first[:, 0] = P - 1  # every response's first token is predicted by the last prompt column
+        return TrainBatch(input_ids, mask[:, None], position_ids, P, first.reshape(-1), n)
 
 
 @dataclass
@@ -134,7 +152,7 @@ class Rollout:
         input_ids[:, P:] = torch.where(real, self.tokens.cpu(), pad_id)
         attention_mask[:, P:] = real.long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        return TrainBatch(input_ids, attention_mask, position_ids, P)
+        return TrainBatch(input_ids, attention_mask, position_ids, P, torch.arange(P - 1, P + T - 1))
 
 
 def check_request(prompt_ids, sampling: Sampling, vocab_size: int, context_len: int) -> None:

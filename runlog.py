@@ -269,7 +269,7 @@ def _save_hf(model, path: str, rank: int, tokenizer=None) -> None:
     state = {name: t.cpu() for bucket in full_weights(model) for name, t in bucket}
     if rank == 0:
         os.makedirs(path)
-        model.config.architectures = [type(model).__name__]
+        model.config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames the class FSDP<name>
         model.config.save_pretrained(path)
         save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         if getattr(model, "generation_config", None) is not None and model.can_generate():
@@ -290,7 +290,9 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, sd: dict) -> None:
     for i, s in sd["state"].items():
         p = params[i]
         if isinstance(p, DTensor):
-            s.update({k: DTensor.from_local(v, p.device_mesh, p.placements) for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+            # shape and stride given: an FSDP shard can be uneven (the last dp rank's rows fewer), which from_local cannot infer
+            s.update({k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                      for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
     opt.load_state_dict(sd)
 
 

@@ -26,7 +26,7 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,9 @@ from transformers import AutoModelForCausalLM
 import losses as L
 from config import RESUMABLE, Config, check_model, check_resume, resolve  # noqa: F401  (RESUMABLE: re-exported)
 from agent import DEFAULT_MAX_TURNS, episode_metrics, load_env, run_episodes
-from data.rewards import load_reward, majority_correct, pass_at_k
-from data.tasks import Scores, encode_prompt, get_task, reward_columns, score
+from data.rewards import load_reward
+from data.tasks import get_task
+from evaluation import evaluate, rollouts, scored
 from parallel import all_reduce, all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
 from rollout import EmbeddedEngine, Sampling
 from runlog import RunLog, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint
@@ -114,27 +115,81 @@ def reduce_metrics(metrics: dict[str, list]) -> dict[str, float]:
     return dict(zip(keys, vals.tolist()))
 
 
-def minibatches(rows: int, cfg: Config, step: int, epoch: int) -> list[torch.Tensor]:
-    """Shuffled row indices per minibatch; the same on TP peers (same seed), which see the same rows."""
+def minibatches(rows: int, cfg: Config, step: int, epoch: int, n: int = 1) -> list[torch.Tensor]:
+    """Shuffled row indices per minibatch, whole groups of n consecutive rows kept together (shared prefixes); the
+    same on TP peers (same seed), which see the same rows."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + epoch)
-    return list(torch.randperm(rows, generator=g).tensor_split(cfg.minibatches))  # always cfg.minibatches parts: a
-    # rank with fewer rows (compaction) still joins every minibatch's collectives, with an empty part if need be
+    parts = torch.randperm(rows // n, generator=g).tensor_split(cfg.minibatches)  # always cfg.minibatches parts: a rank
+    # with fewer rows (compaction) still joins every minibatch's collectives, with an empty part if need be
+    return [(p[:, None] * n + torch.arange(n)).reshape(-1) for p in parts]
 
 
-def micro(idx: torch.Tensor, cfg: Config) -> list[torch.Tensor]:
-    return list(idx.split(cfg.micro_batch))
+def micro(idx: torch.Tensor, cfg: Config, n: int = 1) -> list[torch.Tensor]:
+    return list(idx.split(max(n, cfg.micro_batch // n * n)))  # whole groups
 
 
-def response_logits(model, b, rows):
-    """Logits [b, T, V] predicting the response tokens: logits[:, j] predicts token j + 1 (TrainBatch layout)."""
-    P = b.response_start
-    return model(input_ids=b.input_ids[rows], attention_mask=b.attention_mask[rows], position_ids=b.position_ids[rows]).logits[:, P - 1 : -1]
+class HeadStandIn(torch.nn.Module):
+    """Takes the LM head's place for one forward (``fn`` gets the kept hidden states [b, T, H] and returns what the
+    forward returns as its logits), so the work stays inside the model's own forward, where FSDP gathers the weights."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, h):
+        return self.fn(h)
 
 
-def response_values(critic, b, rows):
-    """Values [b, T]: V of the state before each response token (same positions as response_logits)."""
-    P = b.response_start
-    return critic_values(critic, b.input_ids[rows], b.attention_mask[rows], position_ids=b.position_ids[rows])[:, P - 1 : -1]
+@contextlib.contextmanager
+def head_replaced(model, fn):
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(HeadStandIn(fn))
+    try:
+        yield head
+    finally:
+        model.set_output_embeddings(head)  # the same module (and a tied weight's Parameter) as before
+
+
+def sequences(b, rows):
+    """The forward's inputs for rows (whole groups, in order, when the batch shares prefixes: TrainBatch.shared)."""
+    n = b.group
+    if n > 1 and (len(rows) % n or (rows[::n] % n).any() or not torch.equal(rows, (rows[::n, None] + torch.arange(n)).reshape(-1))):
+        raise ValueError(f"rows {rows.tolist()} are not whole groups of {n}")
+    sel = rows[::n] // n
+    return {"input_ids": b.input_ids[sel], "attention_mask": b.attention_mask[sel], "position_ids": b.position_ids[sel]}
+
+
+def response_logprobs(model, b, rows, tokens, cfg: Config, entropy: bool = False):
+    """(log-probs [b, T], entropy [b, T] or None) of the response tokens of rows. The forward keeps only the columns that
+    predict response tokens (b.keep, logits_to_keep), and the LM head runs on them chunk by chunk (losses.head_logprobs):
+    no [b, L, V] or [b, T, V] logits exist. Under --train-dtype bf16 the forward runs in bf16 autocast over fp32 weights."""
+    out = {}
+
+    def logprobs(h):  # [sequences, len(keep), H] -> one row per response
+        out["logp"], out["entropy"] = L.head_logprobs(head, h.reshape(len(rows), tokens.size(1), h.size(-1)), tokens[rows], cfg.temperature,
+                                                      top_k=cfg.top_k, top_p=cfg.top_p, entropy=entropy)
+        return out["logp"]
+    with head_replaced(model, logprobs) as head, torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16"):
+        model(**sequences(b, rows), logits_to_keep=b.keep)
+    return out["logp"], out["entropy"]
+
+
+def response_values(critic, b, rows, cfg: Config):
+    """Values [b, T] float32: V of the state before each response token (the columns of response_logprobs)."""
+    with torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16"):
+        s = sequences(b, rows)
+        return critic_values(critic, s.pop("input_ids"), s.pop("attention_mask"), **s)[:, b.keep].reshape(len(rows), -1)
+
+
+def check_head(model) -> None:
+    """response_logprobs replaces the LM head's output: refuse a model whose forward changes what the head returns
+    (a logit softcap or scale would be silently dropped)."""
+    sentinel = torch.zeros(1, 1, 1, device=model.device)
+    with torch.no_grad(), head_replaced(model, lambda h: sentinel):
+        returned = model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=model.device)).logits
+    if returned is not sentinel:
+        raise ValueError(f"--model: {type(model).__name__}'s forward post-processes the LM head's output (a logit softcap or "
+                         "scale?), which the trainer's response-only log-probs would drop")
 
 
 def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, bool, bool]:
@@ -217,77 +272,14 @@ def push_weights(policy, engine) -> None:
             pass
 
 
-def rollouts(engine, tok, rows, s: Sampling, play):
-    """s.n samples of each task row: a Rollout, or with a multi-turn task (play) agent.Episodes."""
-    return play(engine, rows.to_list(), s) if play else engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], s)
-
-
-def scored(task, tok, rows, n: int, out, play) -> tuple[list, Scores]:
-    """(completions, Scores) of rollouts(): per episode its conversation and return, or the decoded responses and the
-    task's reward on them."""
-    if play:
-        return out.messages, Scores.of(out.returns)
-    texts = tok.batch_decode([t[m].tolist() for t, m in zip(out.tokens, out.mask)], skip_special_tokens=True)
-    return texts, score(task, texts, reward_columns(rows, n))
-
-
-def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int, play=None) -> tuple[dict[str, float], list[dict]]:
-    """Held-out evaluation on the first eval_size test problems, sharded over the engine ranks, summed over all ranks.
-
-    eval/greedy_acc and eval/sampled_acc: the mean reward of the greedy (top-1) completion and of the sampled ones
-    (= exact-match accuracy for the built-in tasks); a None reward counts as 0. With --eval-samples n > 1 each
-    problem gets n samples: eval/mean@n (= sampled_acc), and for k = 1, 2, 4, ... <= n the unbiased eval/pass@k
-    (a sample is correct when its reward is > 0) and, when the reward returns "pred", eval/maj@k (majority_correct).
-    A multi-turn task is played by play(engine, rows, sampling) -> agent.Episodes: the reward is the episode's return
-    and the completion its conversation (chat messages).
-    Returns (metrics, records): one record per completion for the samples file, gathered on rank 0 ([] elsewhere).
-    """
-    n = cfg.eval_samples
-    ks = [2**i for i in range(n.bit_length()) if 2**i <= n] if n > 1 else []
-    counts = torch.zeros(4 + 2 * len(ks), dtype=torch.float64)  # greedy, sampled, problems, has pred, pass@k..., maj@k...
-    records = []
-    if engine is not None:
-        size = min(cfg.eval_size, len(task.test))
-        lo, hi = size * dp_rank // dp, size * (dp_rank + 1) // dp  # contiguous shards: row seeds as in one process
-        test = task.test.select(range(lo, hi))
-        prompts, answers = test["prompt"], test["answer"]
-        greedy = Sampling(**{**asdict(sampling), "top_k": 1, "n": 1})
-        sampled = Sampling(**{**asdict(sampling), "n": n, "seed": cfg.seed + 7 + lo * n})  # row r has seed + r
-        for k, (kind, s, m) in enumerate((("greedy", greedy, 1), ("sampled", sampled, n)) if len(test) else ()):
-            texts, sc = scored(task, tok, test, m, rollouts(engine, tok, test, s, play), play)
-            r = sc.rewards * sc.rewarded  # None counts as 0
-            counts[k] = r.sum()
-            records += [{**sc.extras[i], "kind": kind, "problem": lo + i // m, "sample": i % m, "prompt": prompts[i // m],
-                         "answer": answers[i // m], "completion": t, "reward": sc.rewards[i].item() if sc.rewarded[i] else None}
-                        for i, t in enumerate(texts)]  # the reward's extra keys first: a key named like ours is overwritten
-            if kind == "sampled" and ks:
-                R = r.view(-1, n).tolist()
-                preds = [e.get("pred") for e in sc.extras]
-                counts[3] = float(any("pred" in e for e in sc.extras))
-                for j, kk in enumerate(ks):
-                    counts[4 + j] = sum(pass_at_k(n, sum(x > 0 for x in row), kk) for row in R)
-                    counts[4 + len(ks) + j] = sum(majority_correct(preds[p * n : (p + 1) * n], R[p], kk) for p in range(len(R)))
-        counts[2] = len(test)
-    all_reduce(counts)
-    out = {"eval/greedy_acc": (counts[0] / counts[2]).item(), "eval/sampled_acc": (counts[1] / (counts[2] * n)).item()}
-    if ks:
-        out[f"eval/mean@{n}"] = out["eval/sampled_acc"]
-        out.update({f"eval/pass@{k}": (counts[4 + j] / counts[2]).item() for j, k in enumerate(ks)})
-        if counts[3] > 0:
-            out.update({f"eval/maj@{k}": (counts[4 + len(ks) + j] / counts[2]).item() for j, k in enumerate(ks)})
-    if dist.is_initialized():
-        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(records, parts, dst=0)
-        records = sorted((r for p in parts for r in p), key=lambda r: (r["kind"], r["problem"], r["sample"])) if parts else []
-    return out, records
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
 def main(cfg: Config) -> list[dict]:
     """Run (or resume) training; returns the metrics history (rank 0; other ranks get an empty list)."""
     rt = init_runtime()
+    if cfg.train_dtype == "auto":  # resolved before anything records or compares the config
+        cfg = replace(cfg, train_dtype="bf16" if rt.device.type == "cuda" else "fp32")
     plan = resolve(cfg, rt.world_size)
     lock = lock_run_dir(cfg.out_dir) if rt.rank == 0 else None  # noqa: F841  (held until the process ends)
     # A bad task, data file or row fails here, before any model is built.
@@ -300,6 +292,7 @@ def main(cfg: Config) -> list[dict]:
     mesh = make_mesh(rt, cfg.tp)
     dp_group, tp_mesh = (mesh["dp"].get_group(), mesh["tp"]) if mesh else (None, None)
     dp_rank = mesh["dp"].get_local_rank() if mesh else 0
+    fsdp = mesh["dp"] if mesh and cfg.fsdp else None
     is_engine_rank = tp_mesh is None or tp_mesh.get_local_rank() == 0
     ckpt = latest_checkpoint(cfg.out_dir)
     changes = check_resume(cfg, ckpt, rt.world_size) if ckpt else {}
@@ -317,7 +310,9 @@ def main(cfg: Config) -> list[dict]:
     policy_path = os.path.join(ckpt, "policy") if ckpt else model_path
     tok = check_model(cfg, model_path, task)
     torch.manual_seed(cfg.seed)
-    policy = parallelize(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(rt.device), tp_mesh)
+    policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(rt.device)
+    check_head(policy)  # on the plain model: a forward under FSDP would leave the root's weights gathered as the optimiser's
+    policy = parallelize(policy, tp_mesh, fsdp)
     opts = {"policy": torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)}
     critic = ref = None
     if cfg.algo == "ppo":
@@ -325,10 +320,11 @@ def main(cfg: Config) -> list[dict]:
         if cfg.freeze_critic_attention:
             for name, p in critic.named_parameters():
                 p.requires_grad_(".self_attn." not in name)
-        critic = parallelize(critic.to(rt.device), tp_mesh)
+        critic = parallelize(critic.to(rt.device), tp_mesh, fsdp)
         opts["critic"] = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=plan["critic_lr_used"], weight_decay=0.0)
     if cfg.kl != "none":  # the frozen initial policy, also on resume
-        ref = parallelize(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(rt.device), tp_mesh).eval().requires_grad_(False)
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(rt.device).requires_grad_(False)
+        ref = parallelize(ref, tp_mesh, fsdp).eval()
     start, bad = 0, {k: 0 for k in opts}  # consecutive skipped updates, per model
     if ckpt:
         state = load_trainer_state(ckpt, rt.rank, rt.world_size, opts)
@@ -341,6 +337,11 @@ def main(cfg: Config) -> list[dict]:
     eval_engine = engine
     if cfg.eval_dtype == "fp32":
         eval_engine = EmbeddedEngine(policy_path, dtype="fp32", device=rt.device) if is_engine_rank else None
+    grp = 1 if cfg.compact_at else plan["n"]  # rows per group: kept together in minibatches, sharing their prompt's forward
+    share = cfg.shared_prefix and grp > 1
+    if share and policy.config._attn_implementation != "sdpa":
+        raise ValueError(f"--shared-prefix needs SDPA attention (a boolean block mask); the model uses "
+                         f"{policy.config._attn_implementation!r}: pass --no-shared-prefix")
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or task.max_new_tokens, (tok.eos_token_id,), plan["n"], cfg.seed)
     # A multi-turn task's rows hold up to a context of turns and observations (agent.py); max_len is the model-token
     # budget of a row (the Dr. GRPO denominator), width the response block's (the per-position metrics' keys).
@@ -419,6 +420,7 @@ def main(cfg: Config) -> list[dict]:
                 scores, rewarded = sc.rewards, sc.rewarded.to(rt.device)
                 token_rewards = L.last_token_rewards(scores, ro.mask)
             b = ro.to_batch(tok.pad_token_id)
+            b = b.shared(grp) if share else b  # one forward of each prompt for its n samples
             b = type(b)(*(x.to(rt.device) if torch.is_tensor(x) else x for x in b))
             tokens, gen_mask, infer_logp = ro.tokens.to(rt.device), ro.mask.to(rt.device), ro.infer_logp.to(rt.device)
             lengths = gen_mask.sum(-1)
@@ -437,10 +439,10 @@ def main(cfg: Config) -> list[dict]:
         # 3 recompute at the rollout weights: pi_old, V_old, pi_ref
         with timed(times, "recompute"), torch.no_grad():
             all_rows = torch.arange(len(tokens))
-            lp = lambda model, r: L.token_logprobs(response_logits(model, b, r), tokens[r], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)  # noqa: E731
-            old_logp = torch.cat([lp(policy, r) for r in micro(all_rows, cfg)])
-            ref_logp = torch.cat([lp(ref, r) for r in micro(all_rows, cfg)]) if ref is not None else None
-            old_values = torch.cat([response_values(critic, b, r) for r in micro(all_rows, cfg)]) if critic is not None else None
+            lp = lambda model, r: response_logprobs(model, b, r, tokens, cfg)[0]  # noqa: E731
+            old_logp = torch.cat([lp(policy, r) for r in micro(all_rows, cfg, grp)])
+            ref_logp = torch.cat([lp(ref, r) for r in micro(all_rows, cfg, grp)]) if ref is not None else None
+            old_values = torch.cat([response_values(critic, b, r, cfg) for r in micro(all_rows, cfg, grp)]) if critic is not None else None
 
         # 4 advantages
         with timed(times, "advantages"):
@@ -473,12 +475,12 @@ def main(cfg: Config) -> list[dict]:
         # 6 critic updates (K passes), GAE(lambda_critic) returns as targets
         with timed(times, "critic"):
             for k in range(cfg.critic_updates if critic is not None else 0):
-                for mb in minibatches(len(tokens), cfg, g, 1000 + k):
+                for mb in minibatches(len(tokens), cfg, g, 1000 + k, grp):
                     denom = denominator(mask[mb], keep[mb], cfg, max_len, dp_group)
-                    for r in micro(mb, cfg):
+                    for r in micro(mb, cfg, grp):
                         # No value clipping while pretraining: the first values are the untrained head's.
                         clip = None if pretraining else cfg.value_clip or None
-                        loss, vm = L.value_loss(response_values(critic, b, r), old_values[r], returns[r], mask[r], clip=clip,
+                        loss, vm = L.value_loss(response_values(critic, b, r, cfg), old_values[r], returns[r], mask[r], clip=clip,
                                                 scale=cfg.value_scale, agg=cfg.agg, num_tokens=denom)
                         loss.backward()
                         add(m, vm)
@@ -493,11 +495,10 @@ def main(cfg: Config) -> list[dict]:
         update_policy = not pretraining
         with timed(times, "policy"):
             for epoch in range(cfg.ppo_epochs if update_policy else 0):
-                for mb in minibatches(len(tokens), cfg, g, epoch):
+                for mb in minibatches(len(tokens), cfg, g, epoch, grp):
                     denom = denominator(loss_mask[mb], keep[mb], cfg, max_len, dp_group)
-                    for r in micro(mb, cfg):
-                        logits = response_logits(policy, b, r)
-                        logp = L.token_logprobs(logits, tokens[r], cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+                    for r in micro(mb, cfg, grp):
+                        logp, ent = response_logprobs(policy, b, r, tokens, cfg, entropy=True)
                         if cfg.correction == "dis":
                             loss, pm = L.dis_policy_loss(logp, infer_logp[r], adv[r], loss_mask[r], eps_low=cfg.clip_low,
                                                          eps_high=cfg.clip_high, agg=cfg.agg, num_tokens=denom)
@@ -510,7 +511,7 @@ def main(cfg: Config) -> list[dict]:
                             loss = loss + cfg.kl_coef * kl
                             pm["ppo/kl_ref"] = kl.detach()
                         loss.backward()
-                        pm["ppo/entropy"] = L.masked_mean(L.entropy_from_logits(logits.detach(), cfg.temperature), mask[r])
+                        pm["ppo/entropy"] = L.masked_mean(ent, mask[r])
                         add(m, pm)
                     norm, ok, weights_ok = optimizer_step(policy, opts["policy"], cfg, dp_group)
                     check_finite(ok, weights_ok, bad, "policy", where, norm, cfg)

@@ -1,6 +1,8 @@
 """Seconds per training step by phase, tokens/s and peak memory, for PPO+critic and GRPO, 1 and 2 processes.
 
     .venv/bin/python bench/bench_train.py                         # the tiny model on CPU (the TRL comparison settings)
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --variants "" "--no-shared-prefix" "--train-dtype bf16"
+                                                                  # what each trainer feature gives, same run, same threads
     .venv/bin/python bench/bench_train.py --steps 8 --nprocs 1 --model /path/to/Qwen3-0.6B --engine sglang \
         --extra "--engine-dtype bf16 --max-new-tokens 512"        # a real model on a GPU machine
 
@@ -22,16 +24,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("rollout", "reward", "recompute", "advantages", "correction", "critic", "policy", "sync")
 
 
-def run(algo: str, nprocs: int, args) -> dict:
+def run(algo: str, nprocs: int, variant: str, args) -> dict:
     out = tempfile.mkdtemp(prefix=f"bench-{algo}-{nprocs}-")
     flags = ["--algo", algo, "--steps", str(args.steps), "--rollout-batch", "64", "--max-new-tokens", "32",
              "--critic-pretrain", "0", "--eval-every", str(10**6), "--eval-size", "1", "--save-every", str(10**6),
-             "--out-dir", out, *(["--model", args.model] if args.model else []), "--engine", args.engine, *shlex.split(args.extra)]
+             "--out-dir", out, *(["--model", args.model] if args.model else []), "--engine", args.engine, *shlex.split(args.extra), *shlex.split(variant)]
     launch = [sys.executable] if nprocs == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))}
     proc = subprocess.run([*launch, "train_ppo.py", *flags], cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
-        sys.exit(f"{algo} x{nprocs} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        sys.exit(f"{algo} x{nprocs} {variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if r["step"] > args.skip]
     mean = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
@@ -48,13 +50,15 @@ def main():
     ap.add_argument("--model", default="", help="HF model folder; default: the embedded tiny model")
     ap.add_argument("--engine", default="embedded")
     ap.add_argument("--extra", default="", help="more train_ppo.py flags, one string")
+    ap.add_argument("--variants", nargs="+", default=[""], help="flag sets run one after another per config ('' = the defaults)")
     args = ap.parse_args()
-    print(f"{'config':<10} {'s/step':>7} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'sync %':>7} {'tok/s':>8} {'peak GiB':>8}")
+    print(f"{'config':<36} {'s/step':>7} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'sync %':>7} {'tok/s':>8} {'peak GiB':>8}")
     for algo in args.algos:
         for n in args.nprocs:
-            r = run(algo, n, args)
-            print(f"{algo + ' x' + str(n):<10} {r['step']:7.3f} " + " ".join(f"{r[p]:10.3f}" for p in PHASES)
-                  + f" {100 * r['sync'] / r['step']:7.2f} {r['tok/s']:8.0f} {r['peak GiB']:8.2f}", flush=True)
+            for v in args.variants:
+                r = run(algo, n, v, args)
+                print(f"{f'{algo} x{n} {v}'.strip():<36} {r['step']:7.3f} " + " ".join(f"{r[p]:10.3f}" for p in PHASES)
+                      + f" {100 * r['sync'] / r['step']:7.2f} {r['tok/s']:8.0f} {r['peak GiB']:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,31 @@ def test_token_logprobs_chunked_equals_unchunked_and_bf16(monkeypatch):
     torch.testing.assert_close(full, want)
 
 
+@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}])
+def test_head_logprobs_equals_full_logits_values_and_gradients(monkeypatch, kw):
+    # The checkpointed, chunked LM head against the plain path: head over every position, then token_logprobs.
+    monkeypatch.setattr(L, "HEAD_CHUNK_ELEMENTS", 4 * 23)  # 15 positions: 4 chunks of 4 x 23 logits, the last one short
+    g = torch.Generator().manual_seed(1)
+    head = torch.nn.Linear(6, 23, bias=False)
+    hidden, tokens, w = torch.randn(3, 5, 6, generator=g), torch.randint(0, 23, (3, 5), generator=g), torch.randn(3, 5, generator=g)
+    grads = []
+    for path in ("full", "head"):
+        h = hidden.clone().requires_grad_(True)
+        head.zero_grad()
+        if path == "full":
+            logits = head(h)
+            lp, ent = L.token_logprobs(logits, tokens, **kw), L.entropy_from_logits(logits, kw.get("temperature", 1.0))
+        else:
+            lp, ent = L.head_logprobs(head, h, tokens, **kw, entropy=True)
+        (lp * w).sum().backward()
+        grads.append((lp.detach(), ent, h.grad, head.weight.grad.clone()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not grads[1][1].requires_grad  # entropy is a metric: detached
+    with torch.no_grad():  # the recompute path (no checkpointing) gives the same numbers
+        torch.testing.assert_close(L.head_logprobs(head, hidden, tokens, **kw)[0], grads[0][0], rtol=1e-5, atol=1e-6)
+
+
 def test_excluded_token_gets_floor_and_zero_grad():
     logits = torch.tensor([[[3.0, 2.0, -1.0, -2.0]]], requires_grad=True)
     lp = L.token_logprobs(logits, torch.tensor([[3]]), top_k=2)

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import evaluation
 import train_ppo
 from data.tasks import Scores
 from data.tasks import get_task
@@ -120,7 +121,7 @@ def test_whitening_does_not_overflow_float32():
 def test_huge_rewards_stop_the_run_on_the_critic(tmp_path, monkeypatch):
     """Rewards of 1e30 overflow the value loss: the critic's updates are skipped, and good policy updates no
     longer reset its count (one counter per model), so the run stops instead of exiting 0 having learned nothing."""
-    monkeypatch.setattr(train_ppo, "score", lambda task, completions, columns: Scores.of(torch.full((len(completions),), 1e30)))
+    monkeypatch.setattr(evaluation, "score", lambda task, completions, columns: Scores.of(torch.full((len(completions),), 1e30)))
     with pytest.raises(RuntimeError, match="consecutive critic updates had a non-finite loss or gradient"):
         main(small(tmp_path, steps=6, max_bad_steps=3))
 
@@ -152,12 +153,12 @@ def test_blow_up_points_at_the_checkpoint_before_it_and_resumes_with_a_new_lr(tm
                 return Scores.of(torch.tensor([3e38 if i % 2 else -3e38 for i in range(16)]))
         return Scores.of(torch.zeros(len(completions)))
 
-    monkeypatch.setattr(train_ppo, "score", score)
+    monkeypatch.setattr(evaluation, "score", score)
     cfg = small(tmp_path, algo="grpo", grpo_std=False, steps=8, save_every=1, keep_checkpoints=5, max_bad_steps=3)
     with pytest.raises(RuntimeError, match=r"3 consecutive policy updates.*resume from .*step_000002"):
         main(cfg)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000001", "step_000002"]
-    monkeypatch.setattr(train_ppo, "score", lambda task, completions, columns: Scores.of(torch.zeros(len(completions))))
+    monkeypatch.setattr(evaluation, "score", lambda task, completions, columns: Scores.of(torch.zeros(len(completions))))
     hist = main(small(tmp_path, algo="grpo", grpo_std=False, steps=3, save_every=1, keep_checkpoints=5, max_bad_steps=3, lr=1e-5))
     assert [r["step"] for r in hist if "pretrain/step" not in r] == [0, 1, 2, 3]
     state = torch.load(tmp_path / "checkpoints" / "step_000003" / "trainer_rank0.pt", weights_only=False)

@@ -29,7 +29,8 @@ def rows(path):
 
 
 def small(tmp_path, **kw) -> Config:
-    base = dict(out_dir=str(tmp_path), steps=2, rollout_batch=32, eval_every=100, eval_size=64, save_every=100, critic_pretrain=0)
+    base = dict(out_dir=str(tmp_path), steps=2, rollout_batch=32, eval_every=100, eval_size=64, save_every=100, critic_pretrain=0,
+                train_dtype="fp32")  # the exactness checks compare with an fp32 trainer, also on a GPU (where auto = bf16)
     return Config(**{**base, **kw})
 
 
@@ -98,10 +99,10 @@ def test_reward_function_errors_name_function_and_sample():
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     """Rewards of +-3e38 without std normalisation make the GRPO loss overflow: each update is skipped, and
     the run stops with a clear message after max_bad_steps in a row, before any checkpoint is written."""
-    import train_ppo
+    import evaluation
 
     huge = lambda task, completions, columns: Scores.of(torch.tensor([3e38 if i % 2 else -3e38 for i in range(len(completions))]))  # noqa: E731
-    monkeypatch.setattr(train_ppo, "score", huge)
+    monkeypatch.setattr(evaluation, "score", huge)
     with pytest.raises(RuntimeError, match="2 consecutive policy updates had a non-finite loss or gradient"):
         main(small(tmp_path, algo="grpo", grpo_std=False, steps=5, max_bad_steps=2, eval_size=8))
     assert not (tmp_path / "checkpoints").exists()
@@ -212,6 +213,117 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines):
     assert rows(tmp_path / "run") == rows(tmp_path / "ref")
 
 
+# ----------------------------------------------------------------------------- precision and memory
+
+
+def _tiny_batch():
+    from data.tiny import default_model
+    from transformers import AutoModelForCausalLM
+    from rollout import Rollout
+
+    model = AutoModelForCausalLM.from_pretrained(default_model(os.path.join(REPO, ".cache")), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (7, 4, 9)]
+    tokens = torch.randint(3, 100, (3, 5), generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    return model, Rollout(tokens, torch.zeros(3, 5), mask, prompts, ["stop"] * 3).to_batch(), tokens, mask
+
+
+def test_response_only_logprobs_equal_full_logits():
+    # The trainer's path (decoder, then the LM head on the response columns only, chunked) against the plain one
+    # (every position's logits, sliced): values and gradients, with temperature and top-p.
+    import losses as L
+    from train_ppo import response_logprobs
+
+    model, b, tokens, mask = _tiny_batch()
+    cfg, rows_ = Config(temperature=0.8, top_p=0.9), torch.arange(3)
+    w = torch.randn(tokens.shape)
+    P = b.response_start
+    full = L.token_logprobs(model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits[:, P - 1 : -1],
+                            tokens, 0.8, top_p=0.9)
+    (full * mask * w).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ours, ent = response_logprobs(model, b, rows_, tokens, cfg, entropy=True)
+    (ours * mask * w).sum().backward()
+    torch.testing.assert_close(ours[mask], full[mask], rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert ent.shape == tokens.shape and (ent[mask] > 0).all()
+
+
+def test_shared_prefix_equals_padded_rows():
+    """TrainBatch.shared(n): each prompt once, its n responses behind it under a block mask. Log-probs, values, a
+    loss's gradients (policy and critic) equal the padded per-row batch's: prompts of different lengths (left
+    padding), responses of different lengths, and multi-turn rows whose observation tokens are attended, not trained."""
+    from data.tiny import default_model
+    from rollout import Rollout
+    from train_ppo import response_logprobs, response_values
+    from value_model import build_critic
+
+    policy, *_ = _tiny_batch()
+    critic = build_critic(default_model(os.path.join(REPO, ".cache")), dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    n, prompts = 3, [torch.randint(3, 100, (k,), generator=g).tolist() for k in (6, 9)]
+    tokens = torch.randint(3, 100, (2 * n, 7), generator=g)
+    lengths = torch.tensor([7, 3, 5, 1, 6, 7])
+    attend = torch.arange(7)[None] < lengths[:, None]
+    mask = attend.clone()
+    mask[0, 2:4] = mask[4, 1] = False  # observation tokens: attended, not trained
+    ro = Rollout(tokens, torch.zeros(2 * n, 7), mask, [p for p in prompts for _ in range(n)], ["stop"] * 2 * n, attend=attend)
+    plain, shared = ro.to_batch(), ro.to_batch().shared(n)
+    assert shared.input_ids.shape == (2, plain.response_start + n * 7)
+    cfg, rows_, w = Config(), torch.arange(2 * n), torch.randn(tokens.shape, generator=g)
+    outs = []
+    for b in (plain, shared):
+        policy.zero_grad(), critic.zero_grad()
+        logp, ent = response_logprobs(policy, b, rows_, tokens, cfg, entropy=True)
+        values = response_values(critic, b, rows_, cfg)
+        ((logp + values) * mask * w).sum().backward()
+        outs.append([logp[mask], ent[mask], values[attend]] + [p.grad.clone() for m in (policy, critic) for p in m.parameters() if p.grad is not None])
+    assert len(outs[0]) == len(outs[1])
+    for i, (a, b) in enumerate(zip(*outs)):  # outputs to fp32 rounding; gradients (sums over the tokens) relative to their size
+        atol = 1e-6 if i < 3 else 1e-5 * a.abs().max().item()
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=atol, msg=lambda m: f"output {i} ({tuple(a.shape)}, max {a.abs().max():.3g}): {m}")
+    with torch.no_grad():  # a micro-batch of the second group only
+        one = torch.arange(n, 2 * n)
+        torch.testing.assert_close(response_logprobs(policy, shared, one, tokens, cfg)[0][mask[one]],
+                                   response_logprobs(policy, plain, one, tokens, cfg)[0][mask[one]], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not groups of 3"):
+        Rollout(tokens, torch.zeros(2 * n, 7), mask, prompts * n, ["stop"] * 2 * n).to_batch().shared(n)  # p0 p1 p0 ...: mixed groups
+    with pytest.raises(ValueError, match="not whole groups of 3"):
+        response_logprobs(policy, shared, torch.arange(1, 4), tokens, cfg)
+
+
+def test_model_with_logit_softcap_is_refused():
+    from train_ppo import check_head
+
+    model, *_ = _tiny_batch()
+    check_head(model)
+    forward = model.forward
+    model.forward = lambda **kw: type(out := forward(**kw))(logits=30 * torch.tanh(out.logits / 30))  # a Gemma-2-style softcap
+    with pytest.raises(ValueError, match="post-processes"):
+        check_head(model)
+
+
+def test_bf16_training_tracks_fp32(tmp_path):
+    """--train-dtype bf16 (autocast over fp32 master weights) tracks the fp32 trainer over 2 steps, and the mismatch
+    metrics still compare the engine with the trainer: against an fp32 engine, fp32 training reads k3 ~ 0 and bf16
+    training a small positive k3 (its own rounding)."""
+    runs = {dt: main(small(tmp_path / dt, train_dtype=dt, engine_dtype="fp32")) for dt in ("fp32", "bf16")}
+    a, b = runs["fp32"][1], runs["bf16"][1]  # step 1: the same rollouts (same start weights and seeds)
+    assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+    assert b["critic/value_loss"] == pytest.approx(a["critic/value_loss"], rel=0.01)
+    assert b["ppo/grad_norm"] == pytest.approx(a["ppo/grad_norm"], rel=0.05) and b["critic/grad_norm"] == pytest.approx(a["critic/grad_norm"], rel=0.05)
+    assert a["mismatch/k3"] < 1e-9 and 1e-7 < b["mismatch/k3"] < 1e-2
+    # After 2 updates the bf16 weights sit close to the fp32 ones, relative to how far training moved them.
+    start = load_file(os.path.join(json.load(open(tmp_path / "fp32" / "config.json"))["config"]["model_path"], "model.safetensors"))
+    wa, wb = (load_file(tmp_path / dt / "checkpoints" / "step_000002" / "policy" / "model.safetensors") for dt in ("fp32", "bf16"))
+    moved = sum((wa[k] - start[k]).norm() ** 2 for k in wa) ** 0.5
+    apart = sum((wb[k] - wa[k]).norm() ** 2 for k in wa) ** 0.5
+    assert apart < 0.25 * moved, (apart.item(), moved.item())
+
+
 # ----------------------------------------------------------------------------- parallel == single process
 
 
@@ -219,23 +331,48 @@ def _final_weights(out_dir):
     return load_file(os.path.join(out_dir, "checkpoints", "step_000001", "policy", "model.safetensors"))
 
 
+MODES = {"dp2": (2, []), "tp2": (2, ["--tp", "2"]), "dp2-fsdp": (2, ["--fsdp"]), "tp2-dp2-fsdp": (4, ["--tp", "2", "--fsdp"]),
+         "2-nodes-fsdp": (1, ["--fsdp"]),  # two torchrun agents (--nnodes 2) of one process each, meeting at a local c10d endpoint
+         "tp2-grpo-shared-prefix": (2, ["--tp", "2", "--algo", "grpo"])}  # against a single process without shared prefixes
+SINGLE = {"tp2-grpo-shared-prefix": ["--algo", "grpo", "--no-shared-prefix"]}
+
+
+def _torchrun(mode, args, timeout=600):
+    """Launch train_ppo.py as MODES[mode] says; returns (returncode, output)."""
+    nproc, extra = MODES[mode]
+    if not mode.startswith("2-nodes"):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train_ppo.py",
+                            *args, *extra], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stdout + p.stderr
+    import socket
+
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node", "1",
+                               "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "test", "train_ppo.py", *args, *extra],
+                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [n.communicate(timeout=timeout)[0] for n in nodes]
+    return max(abs(n.returncode) for n in nodes), "\n".join(outs)
+
+
 @pytest.mark.torchrun
-@pytest.mark.parametrize("mode", ["dp2", "tp2"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_torchrun_step_equals_single_process(tmp_path, mode):
-    """One PPO step with 2 processes (dp=2, or tp=2) equals the single-process step: the same rollouts (row
-    seeds), advantages and global-denominator losses (micro-batched), so the same weights after the update."""
+    """One PPO step with 2 processes (dp=2, tp=2, dp=2 with FSDP, two 1-process nodes) or 4 (tp=2 x dp=2 with FSDP), and
+    one GRPO step under tp=2 with shared prefixes, equal the single-process step (without shared prefixes): the same
+    rollouts (row seeds), advantages and global-denominator losses (micro-batched), so the same weights after the
+    update (gathered from the shards into the checkpoint)."""
     args = ["--steps", "1", "--critic-pretrain", "0", "--eval-size", "32", "--engine-dtype", "fp32", "--micro-batch", "8"]
-    single = _run([*args, "--out-dir", str(tmp_path / "single")])
+    single = _run([*args, *SINGLE.get(mode, []), "--out-dir", str(tmp_path / "single")])
     assert single.wait(600) == 0, single.stdout.read()
-    tp = ["--tp", "2"] if mode == "tp2" else []
-    par = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train_ppo.py", *args, *tp,
-                          "--out-dir", str(tmp_path / "par")], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
-    assert par.returncode == 0, par.stdout + par.stderr
+    rc, out = _torchrun(mode, [*args, "--out-dir", str(tmp_path / "par")])
+    assert rc == 0, out
     a, b = rows(tmp_path / "single")[-1], rows(tmp_path / "par")[-1]
     assert a.keys() == b.keys()
     # TP peers see the same rows, so every metric matches. Data-parallel ranks average their local means,
     # which equal the global ones only for per-row quantities and for the norms of the reduced gradients.
-    exact = [k for k in a if k != "step"] if mode == "tp2" else [
+    exact = [k for k in a if k != "step"] if mode.startswith("tp2") and "dp2" not in mode else [
         "rollout/reward_mean", "rollout/response_len_mean", "rollout/truncated_frac", "eval/greedy_acc", "eval/sampled_acc",
         "ppo/grad_norm", "critic/grad_norm"]
     for k in exact:
@@ -266,16 +403,16 @@ def test_sglang_engine_end_to_end(tmp_path):
 
 
 @pytest.mark.torchrun
-def test_tp2_resume_equals_uninterrupted(tmp_path):
-    """Resume under tensor parallelism: sharded optimizer states go back into DTensors, and a tp=2 run
-    stopped at step 2 and resumed to step 3 logs what an uninterrupted tp=2 run logs."""
+@pytest.mark.parametrize("mode", ["tp2", "dp2-fsdp"])
+def test_sharded_resume_equals_uninterrupted(tmp_path, mode):
+    """Resume under tensor parallelism or FSDP: sharded optimizer states go back into DTensors, and a run
+    stopped at step 2 and resumed to step 3 logs what an uninterrupted run with the same launch logs."""
     def launch(out, steps):
         args = ["--steps", str(steps), "--save-every", "2", "--eval-every", "3", "--eval-size", "16", "--rollout-batch", "16",
-                "--critic-pretrain", "0", "--deterministic", "--tp", "2", "--out-dir", str(out)]
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train_ppo.py", *args],
-                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return proc.stdout
+                "--critic-pretrain", "0", "--deterministic", "--out-dir", str(out)]
+        rc, out = _torchrun(mode, args)
+        assert rc == 0, out[-6000:]
+        return out
 
     launch(tmp_path / "ref", 3)
     launch(tmp_path / "run", 2)

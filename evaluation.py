@@ -1,0 +1,82 @@
+"""Held-out evaluation, and the rollout-then-score pair the training loop shares with it.
+
+    from evaluation import evaluate    # evaluate(engine, tok, task, cfg, sampling, dp_rank, dp) -> (metrics, records)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from config import Config
+from data.rewards import majority_correct, pass_at_k
+from data.tasks import Scores, encode_prompt, reward_columns, score
+from parallel import all_reduce
+from rollout import Sampling
+
+
+def rollouts(engine, tok, rows, s: Sampling, play):
+    """s.n samples of each task row: a Rollout, or with a multi-turn task (play) agent.Episodes."""
+    return play(engine, rows.to_list(), s) if play else engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], s)
+
+
+def scored(task, tok, rows, n: int, out, play) -> tuple[list, Scores]:
+    """(completions, Scores) of rollouts(): per episode its conversation and return, or the decoded responses and the
+    task's reward on them."""
+    if play:
+        return out.messages, Scores.of(out.returns)
+    texts = tok.batch_decode([t[m].tolist() for t, m in zip(out.tokens, out.mask)], skip_special_tokens=True)
+    return texts, score(task, texts, reward_columns(rows, n))
+
+
+def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int, play=None) -> tuple[dict[str, float], list[dict]]:
+    """Held-out evaluation on the first eval_size test problems, sharded over the engine ranks, summed over all ranks.
+
+    eval/greedy_acc and eval/sampled_acc: the mean reward of the greedy (top-1) completion and of the sampled ones
+    (= exact-match accuracy for the built-in tasks); a None reward counts as 0. With --eval-samples n > 1 each
+    problem gets n samples: eval/mean@n (= sampled_acc), and for k = 1, 2, 4, ... <= n the unbiased eval/pass@k
+    (a sample is correct when its reward is > 0) and, when the reward returns "pred", eval/maj@k (majority_correct).
+    A multi-turn task is played by play(engine, rows, sampling) -> agent.Episodes: the reward is the episode's return
+    and the completion its conversation (chat messages).
+    Returns (metrics, records): one record per completion for the samples file, gathered on rank 0 ([] elsewhere).
+    """
+    n = cfg.eval_samples
+    ks = [2**i for i in range(n.bit_length()) if 2**i <= n] if n > 1 else []
+    counts = torch.zeros(4 + 2 * len(ks), dtype=torch.float64)  # greedy, sampled, problems, has pred, pass@k..., maj@k...
+    records = []
+    if engine is not None:
+        size = min(cfg.eval_size, len(task.test))
+        lo, hi = size * dp_rank // dp, size * (dp_rank + 1) // dp  # contiguous shards: row seeds as in one process
+        test = task.test.select(range(lo, hi))
+        prompts, answers = test["prompt"], test["answer"]
+        greedy = Sampling(**{**asdict(sampling), "top_k": 1, "n": 1})
+        sampled = Sampling(**{**asdict(sampling), "n": n, "seed": cfg.seed + 7 + lo * n})  # row r has seed + r
+        for k, (kind, s, m) in enumerate((("greedy", greedy, 1), ("sampled", sampled, n)) if len(test) else ()):
+            texts, sc = scored(task, tok, test, m, rollouts(engine, tok, test, s, play), play)
+            r = sc.rewards * sc.rewarded  # None counts as 0
+            counts[k] = r.sum()
+            records += [{**sc.extras[i], "kind": kind, "problem": lo + i // m, "sample": i % m, "prompt": prompts[i // m],
+                         "answer": answers[i // m], "completion": t, "reward": sc.rewards[i].item() if sc.rewarded[i] else None}
+                        for i, t in enumerate(texts)]  # the reward's extra keys first: a key named like ours is overwritten
+            if kind == "sampled" and ks:
+                R = r.view(-1, n).tolist()
+                preds = [e.get("pred") for e in sc.extras]
+                counts[3] = float(any("pred" in e for e in sc.extras))
+                for j, kk in enumerate(ks):
+                    counts[4 + j] = sum(pass_at_k(n, sum(x > 0 for x in row), kk) for row in R)
+                    counts[4 + len(ks) + j] = sum(majority_correct(preds[p * n : (p + 1) * n], R[p], kk) for p in range(len(R)))
+        counts[2] = len(test)
+    all_reduce(counts)
+    out = {"eval/greedy_acc": (counts[0] / counts[2]).item(), "eval/sampled_acc": (counts[1] / (counts[2] * n)).item()}
+    if ks:
+        out[f"eval/mean@{n}"] = out["eval/sampled_acc"]
+        out.update({f"eval/pass@{k}": (counts[4 + j] / counts[2]).item() for j, k in enumerate(ks)})
+        if counts[3] > 0:
+            out.update({f"eval/maj@{k}": (counts[4 + len(ks) + j] / counts[2]).item() for j, k in enumerate(ks)})
+    if dist.is_initialized():
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(records, parts, dst=0)
+        records = sorted((r for p in parts for r in p), key=lambda r: (r["kind"], r["problem"], r["sample"])) if parts else []
+    return out, records
