@@ -1,8 +1,8 @@
 """Seconds per training step by phase, tokens/s and peak memory, for PPO+critic and GRPO, 1 and 2 processes.
 
     .venv/bin/python bench/bench_train.py                         # the tiny model on CPU (the TRL comparison settings)
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --variants "" "--no-shared-prefix" "--train-dtype bf16"
-                                                                  # what each trainer feature gives, same run, same threads
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --variant= --variant=--no-shared-prefix \
+        --variant="--train-dtype bf16"                            # what each trainer feature gives, same run, same threads
     .venv/bin/python bench/bench_train.py --steps 8 --nprocs 1 --model /path/to/Qwen3-0.6B --engine sglang \
         --extra "--engine-dtype bf16 --max-new-tokens 512"        # a real model on a GPU machine
 
@@ -50,8 +50,10 @@ def main():
     ap.add_argument("--model", default="", help="HF model folder; default: the embedded tiny model")
     ap.add_argument("--engine", default="embedded")
     ap.add_argument("--extra", default="", help="more train_ppo.py flags, one string")
-    ap.add_argument("--variants", nargs="+", default=[""], help="flag sets run one after another per config ('' = the defaults)")
+    ap.add_argument("--variant", action="append", help="a flag set (--variant='--train-dtype bf16'; --variant= for the defaults); "
+                    "repeat it: each config runs every variant in turn (default: the defaults only)")
     args = ap.parse_args()
+    args.variants = args.variant or [""]
     print(f"{'config':<36} {'s/step':>7} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'sync %':>7} {'tok/s':>8} {'peak GiB':>8}")
     for algo in args.algos:
         for n in args.nprocs:

@@ -48,6 +48,7 @@ def small(tmp_path, **kw) -> Config:
     (dict(engine_dtype="fp8", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
     (dict(engine_dtype="int4", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
     (dict(critic_pretrain=-1), 1, "--critic-pretrain must be >= 0"),
+    (dict(fsdp=True, task="guess", compact_at=64), 2, "--fsdp with --compact-at is not supported"),
 ])
 def test_bad_configs_are_refused_before_work(kw, world, msg):
     with pytest.raises(ValueError, match=msg):
