@@ -114,8 +114,8 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
     recomputes head(chunk) instead of keeping every chunk's logits. Peak extra memory is a few copies of one chunk's
     logits, whatever B and T.
 
-    head: the LM head (an nn.Linear [N, H] -> [N, V], possibly tensor-parallel); hidden: [B, T, H] hidden states aligned so hidden[:, t] predicts
-    tokens[:, t] (long [B, T]). Returns (log-probs [B, T] float32, differentiable w.r.t. hidden and the head's weights;
+    head: the LM head (an nn.Linear [N, H] -> [N, V], possibly tensor-parallel); hidden: [B, T, H] hidden states aligned
+    so hidden[:, t] predicts tokens[:, t] (long [B, T]). Returns (log-probs [B, T] float32, differentiable w.r.t. hidden and the head's weights;
     entropy [B, T] float32 of softmax(logits / temperature), detached, or None unless ``entropy``).
     """
     assert hidden.dim() == 3 and tokens.shape == hidden.shape[:2], f"hidden {tuple(hidden.shape)} vs tokens {tuple(tokens.shape)}"
@@ -124,7 +124,7 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
     def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
         logits = head(h)[None]
         lp = token_logprobs(logits, t.view(1, -1), temperature, top_k=top_k, top_p=top_p)[0]
-        return lp, entropy_from_logits(logits.detach(), temperature)[0] if entropy else lp.detach()
+        return lp, entropy_from_logits(logits.detach(), temperature)[0] if entropy else lp.new_zeros(())
 
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     logp, ent, step = [], [], max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])  # a DTensor weight reports its global shape
@@ -132,7 +132,7 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
         h, t = flat_h[start : start + step], flat_t[start : start + step]
         lp, e = torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t)
         logp.append(lp)
-        ent.append(e.detach())
+        ent.append(e.detach().view(-1))
     if not logp:
         empty = hidden.new_zeros(tokens.shape, dtype=torch.float32)
         return empty, empty if entropy else None

@@ -1,6 +1,8 @@
 """Seconds per training step by phase, tokens/s and peak memory, for PPO+critic and GRPO, 1 and 2 processes.
 
-    .venv/bin/python bench/bench_train.py                         # the tiny model on CPU (the TRL comparison settings)
+    .venv/bin/python bench/bench_train.py                         # the tiny model on CPU
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --variant= --variant="--engine-dtype fp32" \
+        --trl /path/to/trl-venv/bin/python                        # against TRL 1.16's GRPO, same run, same threads
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --variant= --variant=--no-shared-prefix \
         --variant="--train-dtype bf16"                            # what each trainer feature gives, same run, same threads
     .venv/bin/python bench/bench_train.py --steps 8 --nprocs 1 --model /path/to/Qwen3-0.6B --engine sglang \
@@ -52,6 +54,8 @@ def main():
     ap.add_argument("--extra", default="", help="more train_ppo.py flags, one string")
     ap.add_argument("--variant", action="append", help="a flag set (--variant='--train-dtype bf16'; --variant= for the defaults); "
                     "repeat it: each config runs every variant in turn (default: the defaults only)")
+    ap.add_argument("--trl", default="", help="Python of a venv with TRL 1.16: after our GRPO configs of 1 process, time TRL's GRPO "
+                    "step on the same model and batch at the same threads (bench/bench_trl.py)")
     args = ap.parse_args()
     args.variants = args.variant or [""]
     print(f"{'config':<36} {'s/step':>7} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'sync %':>7} {'tok/s':>8} {'peak GiB':>8}")
@@ -61,6 +65,15 @@ def main():
                 r = run(algo, n, v, args)
                 print(f"{f'{algo} x{n} {v}'.strip():<36} {r['step']:7.3f} " + " ".join(f"{r[p]:10.3f}" for p in PHASES)
                       + f" {100 * r['sync'] / r['step']:7.2f} {r['tok/s']:8.0f} {r['peak GiB']:8.2f}", flush=True)
+            if args.trl and algo == "grpo" and n == 1:
+                env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+                proc = subprocess.run([args.trl, "bench/bench_trl.py", "--steps", str(args.steps), "--skip", str(args.skip)], cwd=REPO,
+                                      env=env, capture_output=True, text=True)
+                if proc.returncode:
+                    sys.exit(f"TRL GRPO failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+                t = json.loads(proc.stdout.strip().splitlines()[-1])
+                label = f"TRL {t['trl']} GRPO x1 ({t['threads']} thread(s))"
+                print(f"{label:<36} {t['step']:7.3f}", flush=True)
 
 
 if __name__ == "__main__":
