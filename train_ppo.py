@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import resource
 import time
 from dataclasses import asdict, replace
 
@@ -53,9 +54,14 @@ SGLANG_GPU_MEM_FRACTION = 0.4
 
 @contextlib.contextmanager
 def timed(times: dict, name: str):
+    """The phase's seconds into times["time/<name>"]; on CUDA also its peak allocated GiB into "mem/<name>_gib_max"."""
+    if cuda := torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     yield
     times[f"time/{name}"] = time.perf_counter() - start
+    if cuda:
+        times[f"mem/{name}_gib_max"] = torch.cuda.max_memory_allocated() / 2**30
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
@@ -237,15 +243,6 @@ def ev_plateaued(evs: list[float]) -> bool:
     """The plateau rule of critic pretraining, on the per-step explained variances so far."""
     W = PLATEAU_WINDOW
     return len(evs) >= 2 * W and not _finite_mean(evs[-W:]) >= _finite_mean(evs[-2 * W : -W]) + PLATEAU_MIN_GAIN
-
-
-def peak_memory_gib(device) -> float:
-    """Peak GPU memory allocated by torch, or on CPU the process's peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 def make_engine(cfg: Config, path: str, device):
@@ -538,7 +535,9 @@ def main(cfg: Config) -> list[dict]:
             add(m, {"grpo/identical_reward_frac": (groups.amax(-1) == groups.amin(-1)).float().mean()})
         times["time/step"] = time.perf_counter() - t_step
         add(m, times)
-        add(m, {"mem/peak_gib_max": peak_memory_gib(rt.device)})
+        # On CUDA the largest phase peak (timed); on CPU the process's peak resident set (Linux ru_maxrss is in KiB).
+        peaks = [v for k, v in times.items() if k.startswith("mem/")]
+        add(m, {"mem/peak_gib_max": max(peaks) if peaks else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
         if pretraining:
             row = {"step": 0, "pretrain/step": pre + 1, **reduce_metrics(m)}
             evs.append(row["critic/explained_variance"])

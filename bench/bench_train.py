@@ -40,7 +40,8 @@ def run(algo: str, nprocs: int, variant: str, args) -> dict:
         rows = [r for r in map(json.loads, f) if r["step"] > args.skip]
     mean = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
     return {"step": mean("time/step"), **{p: mean(f"time/{p}") for p in PHASES}, "tok/s": mean("rollout/tokens_per_s"),
-            "peak GiB": max(r["mem/peak_gib_max"] for r in rows)}
+            "peak GiB": max(r["mem/peak_gib_max"] for r in rows),  # on CUDA also per phase (train_ppo.timed):
+            "phase GiB": {p: max(r[f"mem/{p}_gib_max"] for r in rows) for p in PHASES if f"mem/{p}_gib_max" in rows[0]}}
 
 
 def main():
@@ -65,6 +66,8 @@ def main():
                 r = run(algo, n, v, args)
                 print(f"{f'{algo} x{n} {v}'.strip():<36} {r['step']:7.3f} " + " ".join(f"{r[p]:10.3f}" for p in PHASES)
                       + f" {100 * r['sync'] / r['step']:7.2f} {r['tok/s']:8.0f} {r['peak GiB']:8.2f}", flush=True)
+                if r["phase GiB"]:
+                    print("    peak GiB by phase: " + ", ".join(f"{p} {g:.2f}" for p, g in r["phase GiB"].items()), flush=True)
             if args.trl and algo == "grpo" and n == 1:
                 env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
                 proc = subprocess.run([args.trl, "bench/bench_trl.py", "--steps", str(args.steps), "--skip", str(args.skip)], cwd=REPO,
