@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_train.py                         # the tiny model on CPU
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --variant= --variant="--engine-dtype fp32" \
-        --trl /path/to/trl-venv/bin/python                        # against TRL 1.16's GRPO, same run, same threads
+        --trl /path/to/trl-1.16/bin/python --trl-ppo /path/to/trl-1.12/bin/python   # against TRL, same run, same threads
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --variant= --variant=--no-shared-prefix \
         --variant="--train-dtype bf16"                            # what each trainer feature gives, same run, same threads
     .venv/bin/python bench/bench_train.py --steps 8 --nprocs 1 --model /path/to/Qwen3-0.6B --engine sglang \
@@ -57,6 +57,7 @@ def main():
                     "repeat it: each config runs every variant in turn (default: the defaults only)")
     ap.add_argument("--trl", default="", help="Python of a venv with TRL 1.16: after our GRPO configs of 1 process, time TRL's GRPO "
                     "step on the same model and batch at the same threads (bench/bench_trl.py)")
+    ap.add_argument("--trl-ppo", default="", help="the same for PPO, with a venv of TRL 1.12 (1.16 has no PPO trainer)")
     args = ap.parse_args()
     args.variants = args.variant or [""]
     print(f"{'config':<36} {'s/step':>7} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'sync %':>7} {'tok/s':>8} {'peak GiB':>8}")
@@ -68,14 +69,15 @@ def main():
                       + f" {100 * r['sync'] / r['step']:7.2f} {r['tok/s']:8.0f} {r['peak GiB']:8.2f}", flush=True)
                 if r["phase GiB"]:
                     print("    peak GiB by phase: " + ", ".join(f"{p} {g:.2f}" for p, g in r["phase GiB"].items()), flush=True)
-            if args.trl and algo == "grpo" and n == 1:
+            trl = {"grpo": args.trl, "ppo": args.trl_ppo}.get(algo)
+            if trl and n == 1:
                 env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
-                proc = subprocess.run([args.trl, "bench/bench_trl.py", "--steps", str(args.steps), "--skip", str(args.skip)], cwd=REPO,
+                proc = subprocess.run([trl, "bench/bench_trl.py", algo, "--steps", str(args.steps), "--skip", str(args.skip)], cwd=REPO,
                                       env=env, capture_output=True, text=True)
                 if proc.returncode:
-                    sys.exit(f"TRL GRPO failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+                    sys.exit(f"TRL {algo} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
                 t = json.loads(proc.stdout.strip().splitlines()[-1])
-                label = f"TRL {t['trl']} GRPO x1 ({t['threads']} thread(s))"
+                label = f"TRL {t['trl']} {algo} x1 ({t['threads']} thread(s))"
                 print(f"{label:<36} {t['step']:7.3f}", flush=True)
 
 
