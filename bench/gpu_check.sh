@@ -14,3 +14,5 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
   --variant="--train-dtype fp32" --variant= --variant=--no-shared-prefix ${1:+--model "$1"}
 # Peak memory of a policy step against prompt and response length (vocabulary 151,936): all-position vs response-only logits.
 "$PY" bench/bench_memory.py --rows 4 --responses 1024 4096
+# Rollout tokens/s of the SGLang engine alone and colocated with the trainer's policy, critic and AdamW states.
+"$PY" bench/bench_colocate.py ${1:+--model "$1"}
