@@ -104,7 +104,7 @@ class TrainBatch(NamedTuple):
         at the positions of its own row, so every output equals the per-row batch's; the prompt is computed once."""
         B, S = self.input_ids.shape
         P, T, G = self.response_start, S - self.response_start, B // n
-        ids, am, pos = (x.view(G, n, S) for x in (self.input_ids, self.attention_mask, self.position_ids))
+        ids, am, pos = (x[: G * n].view(G, n, S) for x in (self.input_ids, self.attention_mask, self.position_ids))
         if B % n or not ((ids[:, :, :P] == ids[:, :1, :P]) & (am[:, :, :P] == am[:, :1, :P])).all():
             raise ValueError(f"TrainBatch.shared({n}): the {B} rows are not groups of {n} consecutive rows with one prompt each")
         input_ids, position_ids, real = (torch.cat([x[:, 0, :P], x[:, :, P:].reshape(G, n * T)], 1) for x in (ids, pos, am))
