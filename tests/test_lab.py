@@ -53,6 +53,12 @@ def test_compare_needs_both_margin_and_separate_intervals():
     mt = lambda ppo, grpo: "\n".join(lab.verdict_multi_turn({"guess": {"ppo": {"final_greedy": ppo}, "grpo-n4": {"final_greedy": grpo}}}))  # noqa: E731
     assert "PPO BETTER (PPO minus GRPO n4: +10.0 points)" in mt((60, 2, 5), (50, 2, 5)) and "PPO WORSE" in mt((50, 2, 5), (60, 2, 5))
     assert "Null result" in mt((60, 4, 5), (54, 4, 5)) and "not evaluated" in mt((60, 4, 1), (54, 4, 5))
+    gl = lambda gain: "\n".join(lab.verdict_guess_learns({"guess": {"ppo": {"gain_greedy": gain, "gain_sampled": (1.0, 2.0, 5)}}}))  # noqa: E731
+    assert "RL LEARNS (greedy gain +6.0 ± 5.0" in gl((6.0, 5.0, 5)) and "Null result" in gl((6.0, 7.0, 5))  # interval reaches below 0
+    assert "Null result" in gl((4.0, 1.0, 5)) and "not evaluated" in gl((9.0, 1.0, 1))  # under 5 points; one seed
+    run = {"steps": 2, "rows": [{"step": 0, "eval/greedy_acc": 0.3, "eval/sampled_acc": 0.4}, {"step": 2, "eval/greedy_acc": 0.35, "eval/sampled_acc": 0.38}]}
+    st = lab.run_stats(run)
+    assert st["gain_greedy"] == pytest.approx(5.0) and st["gain_sampled"] == pytest.approx(-2.0)
 
 
 def test_a_failed_run_is_reported_with_its_log_and_does_not_stop_the_others(tmp_path, capsys, monkeypatch):
