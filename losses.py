@@ -124,7 +124,7 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
     def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
         logits = head(h)[None]
         lp = token_logprobs(logits, t.view(1, -1), temperature, top_k=top_k, top_p=top_p)[0]
-        return lp, entropy_from_logits(logits.detach(), temperature)[0] if entropy else lp.new_zeros(())
+        return lp, entropy_from_logits(logits.detach(), temperature)[0] if entropy else None
 
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     logp, ent, step = [], [], max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])  # a DTensor weight reports its global shape
@@ -132,7 +132,8 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
         h, t = flat_h[start : start + step], flat_t[start : start + step]
         lp, e = torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t)
         logp.append(lp)
-        ent.append(e.detach().view(-1))
+        if entropy:
+            ent.append(e.detach())
     if not logp:
         empty = hidden.new_zeros(tokens.shape, dtype=torch.float32)
         return empty, empty if entropy else None

@@ -13,13 +13,11 @@ left-pads the prompts to a common length P and appends the responses, so the res
 row starts at column P, and the model's outputs at columns `b.keep` = P - 1 .. P + T - 2 predict the
 response tokens: log-probs [B, T] aligned with ro.infer_logp (train_ppo.response_logprobs).
 
-`EmbeddedEngine` runs its own compact forward pass (gpt-fast style: SDPA, RoPE, GQA, a preallocated
-KV cache) over copies of the weights of a Hugging Face Llama / Qwen2 / Qwen3 causal LM: no mask
-builders or cache objects per step, q/k/v and gate/up as one matmul each, one prefill per prompt
-shared by its n samples. bench/bench_rollout.py measures it against HF `generate`.
-
-Its precision knobs (`dtype` bf16 / fp8 / int4, `kv_cache_dtype` fp8; see the class) reproduce the
-mismatch of real quantised engines against an fp32 trainer; bench/bench_mismatch.py measures each.
+`EmbeddedEngine` runs its own compact forward pass (gpt-fast style: SDPA, RoPE, GQA, a preallocated KV cache) over
+copies of the weights of a Hugging Face Llama / Qwen2 / Qwen3 causal LM: no mask builders or cache objects per step,
+q/k/v and gate/up as one matmul each, one prefill per prompt shared by its n samples (bench/bench_rollout.py). Its
+precision knobs (`dtype` bf16 / fp8 / int4, `kv_cache_dtype` fp8) reproduce the mismatch of real quantised engines
+against an fp32 trainer (bench/bench_mismatch.py).
 """
 
 from __future__ import annotations
@@ -102,20 +100,20 @@ class TrainBatch(NamedTuple):
         """Each group of n consecutive rows (one prompt's samples) as one sequence: the prompt's P columns, then the n
         responses' T columns each. Response i attends the prompt and its own earlier tokens only (a block mask; SDPA),
         at the positions of its own row, so every output equals the per-row batch's; the prompt is computed once."""
-        B, S = self.input_ids.shape
-        P, T, G = self.response_start, S - self.response_start, B // n
+        (B, S), P = self.input_ids.shape, self.response_start
+        T, G = S - P, B // n
         ids, am, pos = (x[: G * n].view(G, n, S) for x in (self.input_ids, self.attention_mask, self.position_ids))
         if B % n or not ((ids[:, :, :P] == ids[:, :1, :P]) & (am[:, :, :P] == am[:, :1, :P])).all():
             raise ValueError(f"TrainBatch.shared({n}): the {B} rows are not groups of {n} consecutive rows with one prompt each")
         input_ids, position_ids, real = (torch.cat([x[:, 0, :P], x[:, :, P:].reshape(G, n * T)], 1) for x in (ids, pos, am))
-        seg = torch.cat([torch.zeros(P, dtype=torch.long), torch.arange(1, n + 1).repeat_interleave(T)]).to(ids.device)  # 0 = prompt
         col = torch.arange(P + n * T, device=ids.device)
-        block = (col[None, :] <= col[:, None]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))  # [query, key]
-        # A padding column attends itself, so no row of the mask is empty (SDPA would return NaN there; unused anyway).
+        seg = (col - P).div(T, rounding_mode="floor").clamp_min(-1)  # -1 = prompt, i = response i
+        # Causal, keys in the prompt or the query's own response; padding attends itself (no empty row: SDPA NaNs).
+        block = (col[None, :] <= col[:, None]) & ((seg[None, :] < 0) | (seg[None, :] == seg[:, None]))  # [query, key]
         mask = (block[None] & real.bool()[:, None, :]) | torch.eye(len(col), dtype=torch.bool, device=ids.device)
-        first = torch.arange(n, device=ids.device)[:, None] * T + torch.arange(T, device=ids.device) + P - 1  # token j <- column j - 1
-        first[:, 0] = P - 1  # every response's first token is predicted by the last prompt column
-        return TrainBatch(input_ids, mask[:, None], position_ids, P, first.reshape(-1), n)
+        keep = P - 1 + torch.arange(n * T, device=ids.device)  # response token j <- the column before it
+        keep[::T] = P - 1  # every response's first token is predicted by the last prompt column
+        return TrainBatch(input_ids, mask[:, None], position_ids, P, keep, n)
 
 
 @dataclass
@@ -185,9 +183,8 @@ class Engine(Protocol):
         """Sample sampling.n responses per prompt (token ids, no chat template applied here)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Load full tensors under their Hugging Face state_dict names. The trainer passes one stream over all
-        weights (parallel.full_weights' buckets, flattened): the engine may re-bucket, and flushes any cache
-        computed with the old weights once the stream ends."""
+        """Load full tensors under their HF state_dict names: one stream over all weights (parallel.full_weights'
+        buckets, flattened); the engine may re-bucket, and flushes caches of the old weights once the stream ends."""
 
     def sleep(self) -> int:
         """Release memory for training; returns the bytes released (the platform's own count)."""
@@ -200,8 +197,7 @@ class Engine(Protocol):
 
 
 def __getattr__(name: str):
-    """`from rollout import SGLangEngine`: the SGLang engine lives in sglang_engine.py (it imports sglang
-    lazily), so `import rollout` works without SGLang installed."""
+    """`from rollout import SGLangEngine` without importing sglang here (sglang_engine.py imports it lazily)."""
     if name == "SGLangEngine":
         from sglang_engine import SGLangEngine
 
@@ -222,21 +218,16 @@ _LAYER_SLOTS = {
     "self_attn.q_proj.weight": ("qkv", 0),
     "self_attn.k_proj.weight": ("qkv", 1),
     "self_attn.v_proj.weight": ("qkv", 2),
-    "self_attn.q_proj.bias": ("qkv_b", 0),
-    "self_attn.k_proj.bias": ("qkv_b", 1),
-    "self_attn.v_proj.bias": ("qkv_b", 2),
     "self_attn.q_norm.weight": ("qn", 0),
     "self_attn.k_norm.weight": ("kn", 0),
     "self_attn.o_proj.weight": ("o", 0),
-    "self_attn.o_proj.bias": ("o_b", 0),
     "post_attention_layernorm.weight": ("ln2", 0),
     "mlp.gate_proj.weight": ("gu", 0),
     "mlp.up_proj.weight": ("gu", 1),
-    "mlp.gate_proj.bias": ("gu_b", 0),
-    "mlp.up_proj.bias": ("gu_b", 1),
     "mlp.down_proj.weight": ("down", 0),
-    "mlp.down_proj.bias": ("down_b", 0),
 }
+# Each projection's bias (Qwen2 has q/k/v biases) goes to its weight's slot + "_b", same part.
+_LAYER_SLOTS |= {k.replace(".weight", ".bias"): (slot + "_b", part) for k, (slot, part) in _LAYER_SLOTS.items() if slot in ("qkv", "o", "gu", "down")}
 _LAYER_KEYS = ("ln1", "qkv", "qkv_b", "qn", "kn", "o", "o_b", "ln2", "gu", "gu_b", "down", "down_b")
 _TOP_SLOTS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 

@@ -183,8 +183,7 @@ def response_logprobs(model, b, rows, tokens, cfg: Config, entropy: bool = False
 def response_values(critic, b, rows, cfg: Config):
     """Values [b, T] float32: V of the state before each response token (the columns of response_logprobs)."""
     with torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16"):
-        s = sequences(b, rows)
-        return critic_values(critic, s.pop("input_ids"), s.pop("attention_mask"), **s)[:, b.keep].reshape(len(rows), -1)
+        return critic_values(critic, **sequences(b, rows))[:, b.keep].reshape(len(rows), -1)
 
 
 def check_head(model) -> None:
