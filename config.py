@@ -255,6 +255,9 @@ def resolve(cfg: Config, world_size: int) -> dict:
             load_env(cfg.env)
         except ValueError as e:
             errors.append(str(e))
+    if cfg.fsdp and dp < 2:
+        errors.append(f"--fsdp shards over data-parallel ranks and this launch has {dp}: start at least 2 per replica "
+                      f"(torchrun --nproc_per_node {2 * cfg.tp}), or leave --fsdp off")
     if cfg.fsdp and cfg.compact_at:
         errors.append("--fsdp with --compact-at is not supported: compaction gives data-parallel ranks different numbers of "
                       "rows, and FSDP needs every rank to run the same forwards")

@@ -416,6 +416,8 @@ def main(cfg: Config) -> list[dict]:
                 scores, rewarded = sc.rewards, sc.rewarded.to(rt.device)
                 token_rewards = L.last_token_rewards(scores, ro.mask)
             b = ro.to_batch(tok.pad_token_id)
+            # Real tokens one trainer pass over the batch computes (a shared prompt once per group): bench/ turns it into FLOPs.
+            fed = b.attention_mask.sum() - (b.attention_mask[:, : b.response_start].sum() * (grp - 1) // grp if share else 0)
             b = b.shared(grp) if share else b  # one forward of each prompt for its n samples
             b = type(b)(*(x.to(rt.device) if torch.is_tensor(x) else x for x in b))
             tokens, gen_mask, infer_logp = ro.tokens.to(rt.device), ro.mask.to(rt.device), ro.infer_logp.to(rt.device)
@@ -527,6 +529,7 @@ def main(cfg: Config) -> list[dict]:
             "rollout/response_len_mean": lengths.float().mean(),
             "rollout/response_len_max": lengths.max().float(), "rollout/tokens_per_s": n_tok * plan["dp"] / times["time/rollout"],  # dp engines run at once
             "rollout/truncated_frac": sum(f in ("length", "turn_length") for f in ro.finish_reasons) / len(ro.finish_reasons),
+            "train/tokens_per_pass": all_reduce(fed.float(), dp_group), "train/response_tokens": all_reduce(n_tok.float(), dp_group),
             **(episode_metrics(out) if play else {}),
         })
         if cfg.algo == "grpo":  # groups whose n rewards are all equal carry no GRPO signal

@@ -39,9 +39,34 @@ def run(algo: str, nprocs: int, variant: str, args) -> dict:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if r["step"] > args.skip]
     mean = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)["config"]
     return {"step": mean("time/step"), **{p: mean(f"time/{p}") for p in PHASES}, "tok/s": mean("rollout/tokens_per_s"),
+            "train TFLOP": train_flops(cfg, mean("train/tokens_per_pass"), mean("train/response_tokens")) / 1e12,
             "peak GiB": max(r["mem/peak_gib_max"] for r in rows),  # on CUDA also per phase (train_ppo.timed):
             "phase GiB": {p: max(r[f"mem/{p}_gib_max"] for r in rows) for p in PHASES if f"mem/{p}_gib_max" in rows[0]}}
+
+
+def train_flops(cfg: dict, tokens: float, response_tokens: float) -> float:
+    """Model FLOPs of one step's trainer passes (recompute, critic, policy; not generation): 2 N per token and forward,
+    3x that for forward + backward, N = the backbone's parameters without the embeddings (for an MoE the experts a
+    token is routed to only), plus the LM head at the response positions of the policy passes. Attention's score and
+    value products (4 x context x width per token and layer) are left out, so MFU reads a little low at long contexts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mc = AutoConfig.from_pretrained(cfg["model_path"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(mc)
+    n, experts = 0, getattr(mc, "num_experts", 0)
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name or "lm_head" in name:
+            continue
+        n += p.numel() * (mc.num_experts_per_tok / experts if experts and ".experts." in name else 1)
+    head = 2 * mc.hidden_size * mc.vocab_size * response_tokens
+    policy = 1 + 3 * cfg["ppo_epochs"] + (cfg["kl"] != "none")  # recompute (+ reference) forwards, then forward + backward
+    critic = 1 + 3 * cfg["critic_updates"] if cfg["algo"] == "ppo" else 0
+    return (2 * n * tokens) * (policy + critic) + head * policy
 
 
 def main():
@@ -58,15 +83,21 @@ def main():
     ap.add_argument("--trl", default="", help="Python of a venv with TRL 1.16: after our GRPO configs of 1 process, time TRL's GRPO "
                     "step on the same model and batch at the same threads (bench/bench_trl.py)")
     ap.add_argument("--trl-ppo", default="", help="the same for PPO, with a venv of TRL 1.12 (1.16 has no PPO trainer)")
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak dense TFLOP/s at the training dtype, for an MFU "
+                    "column (H100/H200 SXM bf16: 989); 0: TFLOP/s only")
     args = ap.parse_args()
     args.variants = args.variant or [""]
-    print(f"{'config':<36} {'s/step':>7} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'sync %':>7} {'tok/s':>8} {'peak GiB':>8}")
+    mfu = f" {'MFU %':>6}" if args.peak_tflops else ""
+    print(f"{'config':<36} {'s/step':>7} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'sync %':>7} {'tok/s':>8} {'peak GiB':>8}"
+          f" {'train TFLOP/s':>13}{mfu}")
     for algo in args.algos:
         for n in args.nprocs:
             for v in args.variants:
                 r = run(algo, n, v, args)
+                tflops = r["train TFLOP"] / (r["recompute"] + r["critic"] + r["policy"])  # over the trainer's phases
                 print(f"{f'{algo} x{n} {v}'.strip():<36} {r['step']:7.3f} " + " ".join(f"{r[p]:10.3f}" for p in PHASES)
-                      + f" {100 * r['sync'] / r['step']:7.2f} {r['tok/s']:8.0f} {r['peak GiB']:8.2f}", flush=True)
+                      + f" {100 * r['sync'] / r['step']:7.2f} {r['tok/s']:8.0f} {r['peak GiB']:8.2f} {tflops:13.4g}"
+                      + (f" {100 * tflops / args.peak_tflops:6.2f}" if args.peak_tflops else ""), flush=True)
                 if r["phase GiB"]:
                     print("    peak GiB by phase: " + ", ".join(f"{p} {g:.2f}" for p, g in r["phase GiB"].items()), flush=True)
             trl = {"grpo": args.trl, "ppo": args.trl_ppo}.get(algo)

@@ -9,8 +9,10 @@ PY=${PY:-python}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
 "$PY" -c "import torch, sglang; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'sglang', sglang.__version__)"
 "$PY" -m pytest -q -s tests/test_sglang.py tests/test_rollout.py -k "sglang or cuda or CUDA" 2>&1 | tail -40
-# Step time by phase and peak memory: fp32 against bf16 training (the CUDA default), GRPO with and without shared prefixes.
-"$PY" bench/bench_train.py --steps 6 --nprocs 1 --algos ppo grpo --engine sglang --extra "--engine-dtype bf16" \
+# Step time by phase, peak memory and MFU (989 TFLOP/s: H100/H200 SXM dense bf16): fp32 against bf16 training (the
+# CUDA default), GRPO with and without shared prefixes. (--fsdp needs 2 data-parallel ranks: on a machine of one GPU
+# it is not measured; with more, add --nprocs 2 --variant=--fsdp.)
+"$PY" bench/bench_train.py --steps 6 --nprocs 1 --algos ppo grpo --engine sglang --extra "--engine-dtype bf16" --peak-tflops 989 \
   --variant="--train-dtype fp32" --variant= --variant=--no-shared-prefix ${1:+--model "$1"}
 # Peak memory of a policy step against prompt and response length (vocabulary 151,936): all-position vs response-only logits.
 "$PY" bench/bench_memory.py --rows 4 --responses 1024 4096

@@ -49,6 +49,8 @@ def small(tmp_path, **kw) -> Config:
     (dict(engine_dtype="int4", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
     (dict(critic_pretrain=-1), 1, "--critic-pretrain must be >= 0"),
     (dict(fsdp=True, task="guess", compact_at=64), 2, "--fsdp with --compact-at is not supported"),
+    (dict(fsdp=True), 1, "--fsdp shards over data-parallel ranks and this launch has 1"),
+    (dict(fsdp=True, tp=2), 2, "--fsdp shards over data-parallel ranks and this launch has 1"),
 ])
 def test_bad_configs_are_refused_before_work(kw, world, msg):
     with pytest.raises(ValueError, match=msg):

@@ -1,0 +1,23 @@
+"""bench/bench_train.py's FLOP count (the MFU column) on a hand-computed case."""
+
+import importlib.util
+import os
+
+from transformers import LlamaConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("bench_train", os.path.join(REPO, "bench", "bench_train.py"))
+bench_train = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_train)
+
+
+def test_train_flops_hand_case(tmp_path):
+    LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path)
+    # a layer: q, o 128 x 128; k, v 128 x 64; gate, up, down 128 x 512; two RMSNorms of 128; plus the final norm
+    n = 4 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 512 + 2 * 128) + 128
+    cfg = {"model_path": str(tmp_path), "algo": "ppo", "ppo_epochs": 1, "critic_updates": 2, "kl": "none"}
+    # policy: recompute forward + forward/backward (1 + 3); critic: recompute + 2 updates (1 + 6); LM head at 100 response tokens
+    assert bench_train.train_flops(cfg, 1000, 100) == 2 * n * 1000 * (4 + 7) + 2 * 128 * 320 * 100 * 4
+    grpo = {**cfg, "algo": "grpo", "kl": "k3-loss"}  # no critic; the reference forward counts
+    assert bench_train.train_flops(grpo, 1000, 100) == 2 * n * 1000 * 5 + 2 * 128 * 320 * 100 * 5
