@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from agent import load_env
 from data.rewards import load_reward
 from data.tasks import check_lengths
+from moe import is_moe
 from parallel import check_tp, print0
 from rollout import SUPPORTED_MODEL_TYPES, Sampling
 from runlog import safetensors_problem
@@ -30,6 +31,9 @@ class Config:
     # run
     model: str = ""
     """Hugging Face model folder; empty = the embedded tiny model, built and warmed up on first use."""
+    tiny: Literal["dense", "moe"] = "dense"
+    """The embedded tiny model (when --model is empty): dense (Llama, ~1.0M parameters) or moe (its Qwen3-MoE twin:
+    8 experts, top-2, ~1.0M active of 3.4M parameters)."""
     task: str = "addition"
     """'addition', 'sort', or your data: a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder or a
     hub dataset name owner/name, with a prompt (a string or a list of chat messages) and an answer per row (the
@@ -143,6 +147,9 @@ class Config:
     Linears over bf16 compute; against an fp32 trainer (--train-dtype) all but fp32 create the mismatch IcePop corrects."""
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """Engine KV cache: auto = the engine's compute dtype; fp8 = float8_e4m3 keys and values (scale 1)."""
+    routing_replay: bool = False
+    """MoE: the trainer's recompute and policy passes use the experts the engine chose for each token (R3); the gate
+    weights stay the trainer router's softmax at those experts. Embedded engine, single-turn tasks."""
     tp: int = 1
     """Tensor-parallel ranks per replica (data parallel = world size / tp)."""
     fsdp: bool = False
@@ -255,6 +262,11 @@ def resolve(cfg: Config, world_size: int) -> dict:
             load_env(cfg.env)
         except ValueError as e:
             errors.append(str(e))
+    if cfg.tiny != "dense" and cfg.model:
+        errors.append(f"--tiny {cfg.tiny} picks the embedded default model; it cannot go with --model {cfg.model}")
+    if cfg.routing_replay and (cfg.engine != "embedded" or cfg.env or cfg.task == "guess"):
+        errors.append("--routing-replay needs the embedded engine (it records the experts per token) and a single-turn task "
+                      "(multi-turn rows re-route their context each turn; replaying one record per token is not implemented)")
     if cfg.fsdp and dp < 2:
         errors.append(f"--fsdp shards over data-parallel ranks and this launch has {dp}: start at least 2 per replica "
                       f"(torchrun --nproc_per_node {2 * cfg.tp}), or leave --fsdp off")
@@ -316,6 +328,8 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
     if mc.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{name}: model type {mc.model_type!r} is not supported (the engine, the TP plan and the critic "
                          f"implement {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if cfg.routing_replay and not is_moe(mc):
+        raise ValueError(f"--routing-replay: {name} is not a mixture of experts (model type {mc.model_type!r})")
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(path, f)) for f in files):
         raise ValueError(f"{name} has no tokenizer files (none of {', '.join(files)}); save one there with tokenizer.save_pretrained")

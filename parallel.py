@@ -7,7 +7,8 @@ The mesh is 2-D, ("dp", "tp"). Tensor parallelism is Megatron-style and written 
 ``parallelize_module`` plan keyed by Hugging Face module names (torchtitan's ``apply_tp``): attention
 heads and MLP columns are split over the "tp" ranks, the embedding and the LM head over the vocabulary.
 Activations between blocks stay replicated (no sequence parallelism), so RMSNorms, the rotary embedding
-and a critic's ``score`` head are ordinary replicated modules that every TP rank runs in full.
+and a critic's ``score`` head are ordinary replicated modules that every TP rank runs in full. In an MoE
+(Qwen3-MoE) the router is replicated and the experts are placed per rank (moe.shard_experts).
 Data parallelism is explicit: each "dp" rank runs its share of the batch, with the loss divided by the
 global token count, then ``all_reduce_grads`` sums the gradients.
 """
@@ -30,12 +31,15 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from moe import is_moe, shard_experts
+
 # The plan below relies on these classes' module names and on their attention reshaping with
 # ``view(*shape, -1, head_dim)``, which makes a rank's q/k/v projection output read as its local heads.
 SUPPORTED_MODELS = (
     "LlamaForCausalLM", "LlamaForTokenClassification",
     "Qwen2ForCausalLM", "Qwen2ForTokenClassification",
     "Qwen3ForCausalLM", "Qwen3ForTokenClassification",
+    "Qwen3MoeForCausalLM", "Qwen3MoeForTokenClassification",  # experts placed per rank: moe.shard_experts
 )
 
 
@@ -111,6 +115,7 @@ def check_tp(model: nn.Module, tp: int) -> None:
         "num_key_value_heads": cfg.num_key_value_heads,
         "intermediate_size": cfg.intermediate_size,
         "vocab_size": cfg.vocab_size,
+        **({"num_experts": cfg.num_experts} if is_moe(cfg) else {}),
     }
     for key, size in sizes.items():
         if size % tp != 0:
@@ -160,6 +165,7 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMes
     # frozen (e.g. a critic built with frozen attention).
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    shard_experts(model, tp_mesh)  # MoE layers: experts per rank, router replicated (a no-op for dense models)
     if tied:
         # Each style registered its own sharded copy of the shared weight; point the head back at the
         # embedding's (both Shard(0) over the vocabulary) so both uses accumulate into one gradient.

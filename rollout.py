@@ -95,6 +95,7 @@ class TrainBatch(NamedTuple):
     response_start: int  # P: column of the first response token in every row
     keep: Tensor  # [T] (shared: [n T]) long: the columns whose hidden states predict the response tokens, row by row
     group: int = 1  # rows per sequence
+    routing: Tensor | None = None  # [B, P + T, layers, k] long: an MoE engine's experts per column (Rollout.routing)
 
     def shared(self, n: int) -> TrainBatch:
         """Each group of n consecutive rows (one prompt's samples) as one sequence: the prompt's P columns, then the n
@@ -105,7 +106,9 @@ class TrainBatch(NamedTuple):
         ids, am, pos = (x[: G * n].view(G, n, S) for x in (self.input_ids, self.attention_mask, self.position_ids))
         if B % n or not ((ids[:, :, :P] == ids[:, :1, :P]) & (am[:, :, :P] == am[:, :1, :P])).all():
             raise ValueError(f"TrainBatch.shared({n}): the {B} rows are not groups of {n} consecutive rows with one prompt each")
-        input_ids, position_ids, real = (torch.cat([x[:, 0, :P], x[:, :, P:].reshape(G, n * T)], 1) for x in (ids, pos, am))
+        flat = lambda x: torch.cat([x[:, 0, :P], x[:, :, P:].reshape(G, n * T, *x.shape[3:])], 1)  # noqa: E731
+        input_ids, position_ids, real = map(flat, (ids, pos, am))
+        routing = None if self.routing is None else flat(self.routing[: G * n].view(G, n, S, *self.routing.shape[2:]))
         col = torch.arange(P + n * T, device=ids.device)
         seg = (col - P).div(T, rounding_mode="floor").clamp_min(-1)  # -1 = prompt, i = response i
         # Causal, keys in the prompt or the query's own response; padding attends itself (no empty row: SDPA NaNs).
@@ -113,7 +116,7 @@ class TrainBatch(NamedTuple):
         mask = (block[None] & real.bool()[:, None, :]) | torch.eye(len(col), dtype=torch.bool, device=ids.device)
         keep = P - 1 + torch.arange(n * T, device=ids.device)  # response token j <- the column before it
         keep[::T] = P - 1  # every response's first token is predicted by the last prompt column
-        return TrainBatch(input_ids, mask[:, None], position_ids, P, keep, n)
+        return TrainBatch(input_ids, mask[:, None], position_ids, P, keep, n, routing)
 
 
 @dataclass
@@ -135,6 +138,10 @@ class Rollout:
     """[B, T] bool, True on every real response token: model tokens and, in multi-turn rows (agent.py), the
     observation tokens between them, which the trainer attends to but never trains (mask is False there,
     infer_logp 0). None = mask (single-turn: every real token is a model token)."""
+    routing: Tensor | None = None
+    """MoE engines: [B, P + T, layers, k] long, the experts each layer chose for the token at each column of
+    to_batch's layout (P = the longest prompt), -1 where no token was routed (padding, the last response token,
+    which is never fed back). None for dense models and multi-turn rows."""
 
     def to_batch(self, pad_id: int = 0) -> TrainBatch:
         """Left-padded prompt + response per row, pad_id elsewhere. Returns TrainBatch (tensors on CPU). The
@@ -150,7 +157,7 @@ class Rollout:
         input_ids[:, P:] = torch.where(real, self.tokens.cpu(), pad_id)
         attention_mask[:, P:] = real.long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        return TrainBatch(input_ids, attention_mask, position_ids, P, torch.arange(P - 1, P + T - 1))
+        return TrainBatch(input_ids, attention_mask, position_ids, P, torch.arange(P - 1, P + T - 1), routing=self.routing)
 
 
 def check_request(prompt_ids, sampling: Sampling, vocab_size: int, context_len: int) -> None:
@@ -209,7 +216,7 @@ def __getattr__(name: str):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "int4": torch.bfloat16}
 # KV-cache storage: "auto" = the compute dtype, "fp8" = float8_e4m3fn with a fixed scale of 1.0.
 KV_CACHE_DTYPES = ("auto", "fp8")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # HF name inside a decoder layer -> (slot in the engine's per-layer store, part index). Parts of one slot
 # are concatenated along dim 0 (output rows) so q/k/v and gate/up each run as a single matmul.
@@ -225,10 +232,13 @@ _LAYER_SLOTS = {
     "mlp.gate_proj.weight": ("gu", 0),
     "mlp.up_proj.weight": ("gu", 1),
     "mlp.down_proj.weight": ("down", 0),
+    "mlp.gate.weight": ("router", 0),  # Qwen3-MoE: the router [E, H] and the fused experts [E, 2I, H], [E, H, I]
+    "mlp.experts.gate_up_proj": ("egu", 0),
+    "mlp.experts.down_proj": ("edown", 0),
 }
 # Each projection's bias (Qwen2 has q/k/v biases) goes to its weight's slot + "_b", same part.
 _LAYER_SLOTS |= {k.replace(".weight", ".bias"): (slot + "_b", part) for k, (slot, part) in _LAYER_SLOTS.items() if slot in ("qkv", "o", "gu", "down")}
-_LAYER_KEYS = ("ln1", "qkv", "qkv_b", "qn", "kn", "o", "o_b", "ln2", "gu", "gu_b", "down", "down_b")
+_LAYER_KEYS = ("ln1", "qkv", "qkv_b", "qn", "kn", "o", "o_b", "ln2", "gu", "gu_b", "down", "down_b", "router", "egu", "edown")
 _TOP_SLOTS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
 
@@ -255,7 +265,7 @@ def _rmsnorm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 
 class EmbeddedEngine:
-    """Batched sampler over a Hugging Face Llama / Qwen2 / Qwen3 causal LM, with its own forward pass.
+    """Batched sampler over a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM, with its own forward pass.
 
     model_or_path: a loaded HF model (its weights are copied, so later trainer steps do not leak in) or a
         folder written by save_pretrained.
@@ -263,7 +273,10 @@ class EmbeddedEngine:
         compute with the decoder's Linear weights fake-quantised to float8_e4m3fn, one scale per output
         channel, as FP8 rollouts do; embeddings, lm_head and norms stay bf16, as vLLM/SGLang keep them);
         "int4" (the same, with weight-only symmetric int4 in groups of 32 input elements: quant.fake_quant_int4,
-        the FlashRL / GPTQ rule; every decoder Linear's input size must be a multiple of 32).
+        the FlashRL / GPTQ rule; every decoder Linear's input size must be a multiple of 32). MoE experts are
+        quantised like Linear weights, each expert on its own; the router stays in the compute dtype.
+        An MoE engine routes like HF (softmax in fp32, top-k, optional renormalisation) and records the experts
+        of every input position: Rollout.routing.
     kv_cache_dtype: "auto" (the compute dtype) or "fp8": keys and values are stored as float8_e4m3fn with
         a fixed scale of 1.0, what SGLang / vLLM do when the checkpoint has no calibrated k/v scales (the
         buffer really is fp8: half the bytes of bf16). Attention always reads keys and values at the
@@ -295,6 +308,7 @@ class EmbeddedEngine:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.vocab_size, self.max_positions, self.eps = c.vocab_size, c.max_position_embeddings, c.rms_norm_eps
         self.tied = bool(c.tie_word_embeddings)
+        self.top_k, self.norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
         self.scale = self.head_dim**-0.5  # what HF and SDPA use
 
         # name -> (store key, row range within it); the store holds the fused, precision-transformed weights.
@@ -336,8 +350,8 @@ class EmbeddedEngine:
 
     def _transform(self, name: str, t: Tensor) -> Tensor:
         t = t.detach().to(self.device, torch.float32)
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):  # the decoder's Linear weights
-            t = fake_quant(name, t, self.dtype_name)
+        if name.startswith("model.layers.") and (name.endswith("_proj.weight") or ".experts." in name):  # Linear weights, experts
+            t = fake_quant(name, t.reshape(-1, t.size(-1)), self.dtype_name).view(t.shape)
         return t.to(self.dtype)
 
     def _bind(self) -> None:
@@ -438,8 +452,9 @@ class EmbeddedEngine:
 
     # ---- forward ---------------------------------------------------------------------------------
 
-    def _forward(self, ids: Tensor, pos: Tensor, attn_mask: Tensor | None, kv=None, start: int = 0) -> Tensor:
-        """Final hidden states [B, S, hidden] for ids [B, S] at rope positions pos [B, S].
+    def _forward(self, ids: Tensor, pos: Tensor, attn_mask: Tensor | None, kv=None, start: int = 0, routes: list | None = None) -> Tensor:
+        """Final hidden states [B, S, hidden] for ids [B, S] at rope positions pos [B, S]; an MoE model appends each
+        layer's experts [B, S, k] to ``routes`` when given.
 
         start == 0 (a whole sequence, prefill): attention over these S tokens; attn_mask is None (plain
             causal) or additive float [B, 1, S, S] (0 = attend, -inf = masked). With kv the keys and
@@ -451,7 +466,7 @@ class EmbeddedEngine:
         H, K, D = self.n_heads, self.n_kv, self.head_dim
         cos, sin = self._cos[pos].unsqueeze(2), self._sin_signed[pos].unsqueeze(2)  # [B, S, 1, D]
         x = F.embedding(ids, self._embed)
-        for i, (ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b) in enumerate(self._layers):
+        for i, (ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, router, egu, edown) in enumerate(self._layers):
             qkv = F.linear(_rmsnorm(x, ln1, self.eps), qkv_w, qkv_b).view(B, S, H + 2 * K, D)
             qk, v = qkv[:, :, : H + K], qkv[:, :, H + K :]
             if qn is not None:  # Qwen3: RMSNorm over head_dim of each q and k head, before RoPE
@@ -483,9 +498,29 @@ class EmbeddedEngine:
                 scores = torch.baddbmm(attn_mask, q.reshape(B * K, H // K, D), keys.transpose(1, 2), alpha=self.scale)
                 a = torch.bmm(scores.softmax(-1), values).view(B, 1, H * D)
             x = x + F.linear(a, o_w, o_b)
-            gate, up = F.linear(_rmsnorm(x, ln2, self.eps), gu_w, gu_b).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, down_w, down_b)
+            h = _rmsnorm(x, ln2, self.eps)
+            if router is None:
+                gate, up = F.linear(h, gu_w, gu_b).chunk(2, dim=-1)
+                x = x + F.linear(F.silu(gate) * up, down_w, down_b)
+            else:
+                x = x + self._moe(h, router, egu, edown, routes)
         return _rmsnorm(x, self._norm, self.eps)
+
+    def _moe(self, h: Tensor, router: Tensor, w1: Tensor, w2: Tensor, routes: list | None) -> Tensor:
+        """Qwen3-MoE's sparse block, as HF computes it: fp32 softmax, top-k, renormalised if norm_topk_prob; experts in order."""
+        flat = h.reshape(-1, h.size(-1))
+        probs = torch.softmax(F.linear(flat, router), dtype=torch.float, dim=-1)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        top, out = top.to(flat.dtype), torch.zeros_like(flat)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            gate, up = F.linear(flat[tok], w1[e]).chunk(2, dim=-1)
+            out.index_add_(0, tok, F.linear(F.silu(gate) * up, w2[e]) * top[tok, slot, None])
+        if routes is not None:
+            routes.append(idx.view(*h.shape[:-1], -1))
+        return out.view_as(h)
 
     @torch.inference_mode()
     def logits(self, input_ids: Tensor) -> Tensor:
@@ -525,14 +560,17 @@ class EmbeddedEngine:
         per_chunk = self.max_batch_tokens // (row_tokens * sampling.n)
         outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * sampling.n : (i + per_chunk) * sampling.n].to(self.device))
                 for i in range(0, len(prompts), per_chunk)]
-        T = max(o[0].size(1) for o in outs)
+        T, P = max(o[0].size(1) for o in outs), max(len(p) for p in prompts)
         pad = lambda x: F.pad(x, (0, T - x.size(1)))  # noqa: E731  (right-pad a chunk to the longest)
+        # routing [b, p + t, L, k] of a chunk -> to_batch's columns: left-pad its prompts to P, right-pad to T
+        route = lambda r, t: F.pad(r, (0, 0, 0, 0, P + T - r.size(1) - (T - t), T - t), value=-1)  # noqa: E731
         return Rollout(
             tokens=torch.cat([pad(o[0]) for o in outs]),
             infer_logp=torch.cat([pad(o[1]) for o in outs]),
             mask=torch.cat([pad(o[2]) for o in outs]),
             prompt_ids=[p for p in prompts for _ in range(sampling.n)],
             finish_reasons=[r for o in outs for r in o[3]],
+            routing=torch.cat([route(o[4], o[0].size(1)) for o in outs]) if self.top_k else None,
         )
 
     def _generate_chunk(self, prompts: list[list[int]], s: Sampling, uniforms: Tensor):
@@ -564,7 +602,8 @@ class EmbeddedEngine:
         # Prefill each distinct prompt once, into the cache rows of its first sample (rows 0, n, 2n, ...),
         # then copy those slots to the prompt's other n - 1 rows.
         kv = self._kv_cache(B, P + N)
-        h = self._forward(ids.to(dev), pos[::n, :P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], 0)
+        routes, steps = ([], []) if self.top_k else (None, None)  # MoE: each layer's experts per input position
+        h = self._forward(ids.to(dev), pos[::n, :P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], 0, routes)
         if n > 1:
             for cache in (c for pair in kv for c in pair):
                 grouped = cache.view(B // n, n, *cache.shape[1:])[:, :, :, :P]
@@ -593,9 +632,17 @@ class EmbeddedEngine:
             done |= (tok == stop).any(-1)
             if t == N - 1 or bool(done.all()):
                 break
-            h = self._forward(tok, pos[:, P + t : P + t + 1], decode_mask[..., : P + t + 1], kv, P + t)
+            r = None if steps is None else []
+            h = self._forward(tok, pos[:, P + t : P + t + 1], decode_mask[..., : P + t + 1], kv, P + t, r)
+            if r is not None:
+                steps.append(torch.stack(r, 2))  # [B, 1, L, k]: response token t as input
             logits = F.linear(h[:, -1], self._lm_head)
         T = t + 1
         mask = alive[:, :T]
         finish = ["stop" if d else "length" for d in done.tolist()]
-        return tokens[:, :T].masked_fill(~mask, 0).cpu(), logp[:, :T].masked_fill(~mask, 0.0).cpu(), mask.cpu(), finish
+        routing = None
+        if routes is not None:  # [B, P + T, L, k]: prompt (its pads -1), response tokens 0 .. T-2, -1 for the last one
+            pre = torch.stack(routes, 2).repeat_interleave(n, dim=0).masked_fill(~valid[:, :P, None, None], -1)
+            dec = torch.cat(steps + [torch.full_like(pre[:, :1], -1)], 1).masked_fill(~mask[:, :, None, None], -1)
+            routing = torch.cat([pre, dec], 1).cpu()
+        return tokens[:, :T].masked_fill(~mask, 0).cpu(), logp[:, :T].masked_fill(~mask, 0.0).cpu(), mask.cpu(), finish, routing

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 import losses as L
+import moe
 from config import RESUMABLE, Config, check_model, check_resume, resolve  # noqa: F401  (RESUMABLE: re-exported)
 from agent import DEFAULT_MAX_TURNS, episode_metrics, load_env, run_episodes
 from data.rewards import load_reward
@@ -165,17 +166,33 @@ def sequences(b, rows):
     return {"input_ids": b.input_ids[sel], "attention_mask": b.attention_mask[sel], "position_ids": b.position_ids[sel]}
 
 
+def routes(b, rows) -> torch.Tensor:
+    """The engine's experts [positions, layers, k] of the forward's positions for rows (sequences() order, flattened)."""
+    return b.routing[rows[:: b.group] // b.group].flatten(0, 1)
+
+
+def router_flips(model, b, rows, gen_mask) -> dict:
+    """moe.flip_metrics of the last forward over rows' sampled tokens, each at the column that predicts it."""
+    at_keep = lambda r: r.view(-1, b.input_ids.size(1), *r.shape[1:])[:, b.keep].reshape(len(rows), -1, *r.shape[1:])  # noqa: E731
+    engine, own = at_keep(routes(b, rows)), at_keep(moe.chosen(model))
+    valid = gen_mask[rows] & (engine >= 0).all(-1).all(-1)
+    return moe.flip_metrics(engine[valid], own[valid])
+
+
 def response_logprobs(model, b, rows, tokens, cfg: Config, entropy: bool = False):
     """(log-probs [b, T], entropy [b, T] or None) of the response tokens of rows. The forward keeps only the columns that
     predict response tokens (b.keep, logits_to_keep), and the LM head runs on them chunk by chunk (losses.head_logprobs):
-    no [b, L, V] or [b, T, V] logits exist. Under --train-dtype bf16 the forward runs in bf16 autocast over fp32 weights."""
+    no [b, L, V] or [b, T, V] logits exist. Under --train-dtype bf16 the forward runs in bf16 autocast over fp32 weights.
+    --routing-replay: an MoE forward uses the engine's experts (b.routing)."""
     out = {}
 
     def logprobs(h):  # [sequences, len(keep), H] -> one row per response
         out["logp"], out["entropy"] = L.head_logprobs(head, h.reshape(len(rows), tokens.size(1), h.size(-1)), tokens[rows], cfg.temperature,
                                                       top_k=cfg.top_k, top_p=cfg.top_p, entropy=entropy)
         return out["logp"]
-    with head_replaced(model, logprobs) as head, torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16"):
+    replay = routes(b, rows) if cfg.routing_replay else None
+    with (head_replaced(model, logprobs) as head, moe.routing(model, replay),
+          torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16")):
         model(**sequences(b, rows), logits_to_keep=b.keep)
     return out["logp"], out["entropy"]
 
@@ -298,15 +315,15 @@ def main(cfg: Config) -> list[dict]:
 
         kind = cfg.task if cfg.task in ("addition", "sort", "guess") else "addition"  # the built-in tasks have their own warm-up
         if rt.rank == 0:
-            default_model(os.path.join(REPO, ".cache"), task=kind)  # built once, by rank 0; the others find it cached
+            default_model(os.path.join(REPO, ".cache"), task=kind, arch=cfg.tiny)  # built once, by rank 0; the others find it cached
         if dist.is_initialized():
             dist.barrier()
-        model_path = default_model(os.path.join(REPO, ".cache"), task=kind)
+        model_path = default_model(os.path.join(REPO, ".cache"), task=kind, arch=cfg.tiny)
 
     policy_path = os.path.join(ckpt, "policy") if ckpt else model_path
     tok = check_model(cfg, model_path, task)
     torch.manual_seed(cfg.seed)
-    policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(rt.device)
+    policy = moe.install(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).to(rt.device))  # MoE: record / replay routing
     check_head(policy)  # on the plain model: a forward under FSDP would leave the root's weights gathered as the optimiser's
     policy = parallelize(policy, tp_mesh, fsdp)
     opts = {"policy": torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)}
@@ -438,7 +455,12 @@ def main(cfg: Config) -> list[dict]:
         with timed(times, "recompute"), torch.no_grad():
             all_rows = torch.arange(len(tokens))
             lp = lambda model, r: response_logprobs(model, b, r, tokens, cfg)[0]  # noqa: E731
-            old_logp = torch.cat([lp(policy, r) for r in micro(all_rows, cfg, grp)])
+            old_logp = []
+            for r in micro(all_rows, cfg, grp):
+                old_logp.append(lp(policy, r))
+                if b.routing is not None:  # MoE: how often the trainer's routers pick other experts than the engine's
+                    add(m, router_flips(policy, b, r, gen_mask))
+            old_logp = torch.cat(old_logp)
             ref_logp = torch.cat([lp(ref, r) for r in micro(all_rows, cfg, grp)]) if ref is not None else None
             old_values = torch.cat([response_values(critic, b, r, cfg) for r in micro(all_rows, cfg, grp)]) if critic is not None else None
 

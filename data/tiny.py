@@ -7,6 +7,7 @@ cached under .cache/, one model per built-in task. A few minutes on one CPU core
 
     python -m data.tiny            # build the addition model (once) and print the path
     python -m data.tiny sort       # the sort model (guess: the multi-turn guessing task)
+    python -m data.tiny addition moe   # the MoE twin (Qwen3-MoE, 8 experts, top-2): train_ppo.py --tiny moe
 """
 
 import hashlib
@@ -93,11 +94,28 @@ def tiny_config(vocab_size: int, **overrides) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(**{**kwargs, **overrides})
 
 
-def build_tiny_model(out_dir: str, seed: int = 0) -> str:
-    """Randomly initialised (seeded) tiny model + tokenizer + generation config, saved as an HF folder."""
+def tiny_moe_config(vocab_size: int, **overrides) -> transformers.Qwen3MoeConfig:
+    """The MoE twin of tiny_config (Qwen3-MoE): the same attention (plus Qwen3's q/k RMSNorm) and, in place of the MLP,
+    8 experts of width 256 with top-2 routing (renormalised, as Qwen3-30B-A3B), so the active MLP per token has the
+    dense model's 3 x 128 x 512 weights: ~1.0M active, ~3.4M total parameters."""
+    kwargs = dict(
+        vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+        norm_topk_prob=True, tie_word_embeddings=True, max_position_embeddings=256, bos_token_id=None, eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    return transformers.Qwen3MoeConfig(**{**kwargs, **overrides})
+
+
+ARCHS = {"dense": (tiny_config, transformers.LlamaForCausalLM), "moe": (tiny_moe_config, transformers.Qwen3MoeForCausalLM)}
+
+
+def build_tiny_model(out_dir: str, seed: int = 0, arch: str = "dense") -> str:
+    """Randomly initialised (seeded) tiny model ("dense" or "moe") + tokenizer + generation config, saved as an HF folder."""
     tok = build_tokenizer()
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(tiny_config(len(tok)))
+    make_config, cls = ARCHS[arch]
+    model = cls(make_config(len(tok)))
     # Greedy by default; the RL loop passes its own sampling settings.
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False)
@@ -236,9 +254,9 @@ def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4,
     return {"steps": step, "accuracy": acc, "seconds": round(time.perf_counter() - start, 1), "history": history}
 
 
-def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "addition") -> str:
-    """Path of the tiny model warmed up on a built-in task ("addition", "sort" or "guess"), built on first use and
-    cached by task + seed + settings.
+def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "addition", arch: str = "dense") -> str:
+    """Path of the tiny model ("dense", or its MoE twin "moe") warmed up on a built-in task ("addition", "sort" or
+    "guess"), built on first use and cached by architecture + task + seed + settings.
 
     Built in a temp folder and renamed into place, so an interrupted build never leaves a half-written
     cache. The warm-up uses the task's default seed so its test split, the one RL evaluates on, is never
@@ -246,23 +264,25 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
     """
     if task not in DEFAULT_WARMUP:
         raise ValueError(f"default_model: no default warm-up for task {task!r}; choose one of {sorted(DEFAULT_WARMUP)}")
-    config = tiny_config(256 + len(SPECIAL_TOKENS)).to_diff_dict()
+    if arch not in ARCHS:
+        raise ValueError(f"default_model: arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    config = ARCHS[arch][0](256 + len(SPECIAL_TOKENS)).to_diff_dict()
     config.pop("transformers_version")  # the same model under any version, so one cache entry
     settings = {"format": CACHE_FORMAT, "config": config,
                 "task": task, "warmup": DEFAULT_WARMUP[task],
                 "lr_warmup_steps": LR_WARMUP_STEPS, "grad_clip": GRAD_CLIP}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-    path = os.path.abspath(os.path.join(cache_dir, f"tiny-{task}-seed{seed}-{key}"))
+    path = os.path.abspath(os.path.join(cache_dir, f"tiny-{'moe-' if arch == 'moe' else ''}{task}-seed{seed}-{key}"))
     if os.path.isfile(os.path.join(path, "warmup.json")):
         return path
     os.makedirs(cache_dir, exist_ok=True)
-    print(f"building the default tiny {task} model (1-3 minutes on CPU) into {path}", flush=True)
+    print(f"building the default tiny {arch} {task} model (1-3 minutes on CPU; MoE longer) into {path}", flush=True)
     tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".building-")
     os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache should read like any folder
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # the load/save bars would bury the one line above
     try:
-        build_tiny_model(tmp, seed=seed)
+        build_tiny_model(tmp, seed=seed, arch=arch)
         stats = warmup(tmp, tmp, TASKS[task](), **DEFAULT_WARMUP[task], seed=seed)
         with open(os.path.join(tmp, "warmup.json"), "w") as f:
             json.dump(stats, f, indent=1)
@@ -281,4 +301,4 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
 if __name__ == "__main__":
     import sys
 
-    print(default_model(task=sys.argv[1] if len(sys.argv) > 1 else "addition"))
+    print(default_model(task=sys.argv[1] if len(sys.argv) > 1 else "addition", arch=sys.argv[2] if len(sys.argv) > 2 else "dense"))

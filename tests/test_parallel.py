@@ -26,10 +26,11 @@ TOLERANCES = {
     "logits": 5e-6, "values": 5e-6, "loss": 1e-6, "grads": 3e-6, "grad_norm_rel": 1e-5,
     "clipped_grads": 3e-8, "weights_after_step": 5e-6, "engine_sync": 2e-5,
 }
-TP_CHECKS = [f"{fam}/{kind}/{check}" for fam in ("llama", "qwen2", "qwen3") for kind in ("policy", "critic")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # tests/tp_worker.py's CONFIGS
+TP_CHECKS = [f"{fam}/{kind}/{check}" for fam in FAMILIES for kind in ("policy", "critic")
              for check in ("logits" if kind == "policy" else "values", "loss", "grads", "grad_norm_rel",
                            "clipped_grads", "weights_after_step")]
-TP_CHECKS += [f"{fam}/policy/engine_sync" for fam in ("llama", "qwen2", "qwen3")]
+TP_CHECKS += [f"{fam}/policy/engine_sync" for fam in FAMILIES]
 DP_CHECKS = ["dp/llama/policy/grads", "dp/llama/critic/grads", "dp/dtensor_linear/grads"]
 
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 import losses
 import parallel
 from rollout import EmbeddedEngine
-from data.tiny import tiny_config
+from data.tiny import tiny_config, tiny_moe_config
 
 B, L, P = 4, 12, 4  # batch, sequence length, prompt length: T = L - P response tokens
 LENGTHS = [12, 9, 12, 6]  # right padding; row 3 has only 2 response tokens
@@ -35,8 +35,9 @@ CONFIGS = {
     "qwen3": transformers.Qwen3Config(  # q_norm / k_norm over head_dim
         vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, max_position_embeddings=256),
+    "qwen3_moe": tiny_moe_config(vocab_size=300, num_hidden_layers=2),  # 8 experts, top-2: 4 per rank
 }
-PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
 
 
 def build(family: str, kind: str) -> torch.nn.Module:
@@ -105,6 +106,10 @@ def check_tp(family: str, kind: str, tp_mesh, out: dict) -> None:
     ref = build(family, kind)
     tp = parallel.parallelize(copy.deepcopy(ref), tp_mesh)
     assert any(isinstance(p, DTensor) for p in tp.parameters()), "parallelize sharded nothing"
+    if family == "qwen3_moe":  # experts placed per rank, the router replicated
+        ex, gate = tp.model.layers[0].mlp.experts, tp.model.layers[0].mlp.gate
+        assert ex.gate_up_proj.placements == (Shard(0),) and ex.down_proj.to_local().size(0) == ex.num_experts // 2, "experts not split"
+        assert not isinstance(gate.weight, DTensor), "the router should stay replicated"
     if getattr(ref, "lm_head", None) is not None and ref.lm_head.weight is ref.model.embed_tokens.weight:
         shared = tp.model.embed_tokens.weight
         assert tp.lm_head.weight is shared and shared.placements == (Shard(0),), "tie lost after sharding"
