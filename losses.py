@@ -350,7 +350,7 @@ def mismatch_metrics(
 
     k = pi_old / pi_infer on tokens sampled from pi_infer: mismatch/k1 = mean(infer_logp - old_logp)
     and mismatch/k3 = mean(k - 1 - log k) both estimate KL(pi_infer || pi_old); mean and max
-    |old_logp - infer_logp|; k min/mean/max; and the fractions the IcePop band [alpha, beta] would mask
+    |old_logp - infer_logp|; k min/mean/max and its 0.1% / 99.9% quantiles; and the fractions the IcePop band [alpha, beta] would mask
     (under mismatch/, whatever correction is active).
     """
     _check(mask, old_logp=old_logp, infer_logp=infer_logp)
@@ -366,6 +366,9 @@ def mismatch_metrics(
             "mismatch/ratio_min": torch.where(mask, k, inf).min(),
             "mismatch/ratio_mean": _mean0(k, mask),
             "mismatch/ratio_max": torch.where(mask, k, -inf).max(),
+            # the heavy tail, both sides: the 0.1% and 99.9% quantiles of k (linear interpolation), 1 for no tokens
+            **dict(zip(("mismatch/ratio_p001", "mismatch/ratio_p999"),
+                       k[mask].quantile(torch.tensor([0.001, 0.999], device=k.device)) if mask.any() else torch.ones(2, device=k.device))),
             **_band_metrics(k, mask, alpha, beta, "mismatch"),
         }
 

@@ -1,4 +1,4 @@
-"""bench/lab.py: the quick variants of both grids run end to end (subprocess, --jobs 2) and write a report with the
+"""bench/lab.py: the quick variants of three grids run end to end (subprocess, --jobs 2) and write a report with the
 pre-registered texts, one table row per arm over 2 seeds and the plots; a second invocation skips finished runs;
 --only-report rebuilds the same report from the compact metrics file alone. Plus the interval and comparison helpers."""
 
@@ -27,9 +27,9 @@ def run_lab(*args):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both quick grids, run once into one runs dir; returns (runs dir, {grid: stdout})."""
+    """The quick grids, run once into one runs dir; returns (runs dir, {grid: stdout})."""
     d = tmp_path_factory.mktemp("lab_runs")
-    return d, {grid: run_lab(grid, "--quick", "--jobs", "2", "--runs-dir", str(d)) for grid in ("mismatch", "horizon")}
+    return d, {grid: run_lab(grid, "--quick", "--jobs", "2", "--runs-dir", str(d)) for grid in ("mismatch", "horizon", "moe")}
 
 
 def test_ci95_hand_case():
@@ -76,7 +76,7 @@ def test_a_failed_run_is_reported_with_its_log_and_does_not_stop_the_others(tmp_
     assert lab.finished(str(tmp_path / "runs/sort/b/seed1"), 2) and not lab.finished(str(tmp_path / "runs/addition/a/seed0"), 2)
 
 
-@pytest.mark.parametrize("grid", ["mismatch", "horizon"])
+@pytest.mark.parametrize("grid", ["mismatch", "horizon", "moe"])
 def test_quick_report(runs, grid):
     d, stdout = runs
     g = lab.grid_spec(grid, quick=True)
@@ -89,6 +89,9 @@ def test_quick_report(runs, grid):
         assert len(rows) == 1 and re.match(rf"\| {re.escape(arm)} \| 2 \| \d+\.\d ± \d+\.\d \| \d+\.\d ± \d+\.\d \| \d+\.\d ± \d+\.\d \|", rows[0]), text
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
     expected = ["accuracy", "k3", "masked", "grad_norm", "ev", "ev_per_position"] + (["identical_reward_groups"] if grid == "horizon" else [])
+    expected += ["routing", "ratio_tail"] if grid == "moe" else []
+    if grid == "moe":  # the routing table: one row per arm
+        assert sum(bool(re.match(rf"\| {arm} \| \d+\.\d\d% \| \d+\.\d\d% \| ", line)) for arm in g["arms"] for line in text.splitlines()) == 2, text
     assert {f"report/addition_{name}.png" for name in expected} <= set(images)
     assert all((report.parent / img).stat().st_size > 1000 for img in images)
     assert (d / f"{grid}-quick" / "report" / "metrics.jsonl.gz").is_file() and (d / ".gitignore").read_text() == "*\n"

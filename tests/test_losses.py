@@ -261,6 +261,13 @@ def test_mismatch_metrics_hand():
     assert m["mismatch/ratio_min"].item() == pytest.approx(0.5)
     assert m["mismatch/ratio_max"].item() == pytest.approx(1.0)
     assert m["mismatch/masked_frac"].item() == 0.0  # 0.5 is inside the inclusive band
+    assert m["mismatch/ratio_p001"].item() == pytest.approx(0.5 + 0.001 * 0.5)  # linear between the 2 sorted values
+    assert m["mismatch/ratio_p999"].item() == pytest.approx(0.5 + 0.999 * 0.5)
+    # 1001 tokens with k = 1, 2, ..., 1001: the 99.9% quantile sits at sorted index 999 (k = 1000), the 0.1% at index 1
+    ks = torch.arange(1, 1002, dtype=torch.float64)[None]
+    m = L.mismatch_metrics(ks.log(), torch.zeros_like(ks), torch.ones_like(ks, dtype=torch.bool))
+    assert m["mismatch/ratio_p999"].item() == pytest.approx(1000) and m["mismatch/ratio_p001"].item() == pytest.approx(2)
+    assert L.mismatch_metrics(old, infer, torch.zeros_like(mask))["mismatch/ratio_p999"].item() == 1.0
 
 
 # ----------------------------------------------------------------------------- PPO / DIS / value
