@@ -103,6 +103,19 @@ def flip_metrics(engine: Tensor, trainer: Tensor) -> dict[str, Tensor]:
             **{f"moe/flip_frac_layer{i}": d for i, d in enumerate(differ.mean(0))}}
 
 
+def checkpoint_tensors(name: str, t: Tensor) -> list[tuple[str, Tensor]]:
+    """A trainer tensor under the names of the checkpoint on disk (what SGLang loads): fused experts split per expert
+    (``experts.gate_up_proj`` [E, 2I, H] -> ``experts.{e}.gate_proj.weight`` [I, H] and ``up_proj``; ``down_proj`` ->
+    ``experts.{e}.down_proj.weight``); any other tensor as it is."""
+    prefix, _, leaf = name.rpartition(".experts.")
+    if leaf == "gate_up_proj":
+        i = t.size(1) // 2
+        return [(f"{prefix}.experts.{e}.{part}.weight", w) for e in range(t.size(0)) for part, w in (("gate_proj", t[e, :i]), ("up_proj", t[e, i:]))]
+    if leaf == "down_proj":
+        return [(f"{prefix}.experts.{e}.down_proj.weight", t[e]) for e in range(t.size(0))]
+    return [(name, t)]
+
+
 # ----------------------------------------------------------------------------- experts over tensor-parallel ranks
 
 

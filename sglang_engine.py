@@ -66,6 +66,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from moe import checkpoint_tensors
 from rollout import Rollout, Sampling, check_request
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -239,7 +240,7 @@ class SGLangEngine:
     def _buckets(self, named_tensors: Iterable[tuple[str, Tensor]]):
         """Checked copies in the engine dtype, grouped into lists of about bucket_bytes."""
         bucket, size = [], 0
-        for name, t in named_tensors:
+        for name, t in (pair for named in named_tensors for pair in checkpoint_tensors(*named)):  # MoE: experts one by one
             if name == "lm_head.weight" and self.tied:
                 continue  # the embedding itself; SGLang skips it too
             self._check_weight(name, t)
@@ -269,7 +270,7 @@ class SGLangEngine:
         (cast to the engine dtype) by more than atol. Reads every tensor back as a Python list: a debugging
         check for small models, not for every step."""
         self._check_ready("check_weights")
-        for name, t in named_tensors:
+        for name, t in (pair for named in named_tensors for pair in checkpoint_tensors(*named)):
             if name == "lm_head.weight" and self.tied:
                 continue
             self._check_weight(name, t)

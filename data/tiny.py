@@ -97,11 +97,12 @@ def tiny_config(vocab_size: int, **overrides) -> transformers.LlamaConfig:
 def tiny_moe_config(vocab_size: int, **overrides) -> transformers.Qwen3MoeConfig:
     """The MoE twin of tiny_config (Qwen3-MoE): the same attention (plus Qwen3's q/k RMSNorm) and, in place of the MLP,
     8 experts of width 256 with top-2 routing (renormalised, as Qwen3-30B-A3B), so the active MLP per token has the
-    dense model's 3 x 128 x 512 weights: ~1.0M active, ~3.4M total parameters."""
+    dense model's 3 x 128 x 512 weights: ~1.0M active, ~3.4M total parameters. The LM head is its own weight, as in
+    Qwen3-30B-A3B (SGLang 0.5.23's Qwen3-MoE never ties it, so a tied checkpoint would serve a random head there)."""
     kwargs = dict(
         vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
-        norm_topk_prob=True, tie_word_embeddings=True, max_position_embeddings=256, bos_token_id=None, eos_token_id=EOS_ID,
+        norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=256, bos_token_id=None, eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
     )
     return transformers.Qwen3MoeConfig(**{**kwargs, **overrides})

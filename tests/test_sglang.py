@@ -126,6 +126,32 @@ def check_rollout(ro, prompts, s: Sampling, stop: set[int]):
             assert ro.finish_reasons[r] == "length" and len(row) == s.max_new_tokens and row[-1] not in stop
 
 
+def test_moe_logprobs_and_weight_sync(tmp_path):
+    """The tiny Qwen3-MoE (untied head) in SGLang's CPU mode: fp32 log-probs equal the HF forward, and after
+    update_weights from the trainer's fused expert tensors (sent per expert, the checkpoint's names) they equal the
+    changed model's. Own engine, started before the module's (on a GPU the two do not share memory)."""
+    from sglang_engine import SGLangEngine
+
+    model_dir = build_tiny_model(str(tmp_path / "moe"), seed=0, arch="moe")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    s = Sampling(temperature=1.0, max_new_tokens=8, n=2, seed=0)
+    eng = SGLangEngine(model_dir, dtype="fp32", max_total_tokens=4096)
+    try:
+        ro = eng.generate(PROMPTS, s)
+        assert max_diff(trainer_logp(model, ro, s), ro.infer_logp, ro.mask) < FP32_ATOL
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        stale = max_diff(trainer_logp(model, ro, s), ro.infer_logp, ro.mask)
+        eng.update_weights(model.named_parameters())
+        ro = eng.generate(PROMPTS, s)
+        synced = max_diff(trainer_logp(model, ro, s), ro.infer_logp, ro.mask)
+        print(f"\n[sglang moe] fp32 log-prob diff after sync {synced:.2e} (before it {stale:.2e})")
+        assert synced < FP32_ATOL < stale
+    finally:
+        eng.shutdown()
+
+
 def test_generate_shapes_stop_tokens_and_eos(engine, hf_model):
     eos = hf_model.config.eos_token_id
     # EOS in the stop set: SGLang stops natively.
