@@ -17,6 +17,7 @@ from data.tiny import build_tokenizer, tiny_moe_config
 from quant import fake_quant_int4
 from rollout import EmbeddedEngine, Sampling
 
+NUDGE = 2e-2  # the trainer's router nudge, relative to its weights' RMS: flips ~2% of token-layer choices here
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -95,7 +96,7 @@ def test_flip_metrics_hand_case():
 
 
 def test_routing_replay_reproduces_the_engine_when_the_trainer_routes_differently(model):
-    """An fp32 engine on the model; the trainer's routers nudged (0.2% of their norm) so near-tied tokens pick other
+    """An fp32 engine on the model; the trainer's routers nudged (NUDGE: 2% of their RMS) so near-tied tokens pick other
     experts. Its own routing then misses the engine's log-probs on those tokens; replaying the engine's experts brings
     them back to within the nudge's effect on the gate weights."""
     engine = EmbeddedEngine(model, dtype="fp32")
@@ -105,7 +106,7 @@ def test_routing_replay_reproduces_the_engine_when_the_trainer_routes_differentl
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for blk in moe.blocks(trainer):
-            blk.gate.weight.add_(2e-3 * blk.gate.weight.norm() / blk.gate.weight.numel() ** 0.5 * torch.randn(blk.gate.weight.shape, generator=g))
+            blk.gate.weight.add_(NUDGE * blk.gate.weight.norm() / blk.gate.weight.numel() ** 0.5 * torch.randn(blk.gate.weight.shape, generator=g))
     own = trainer_logp(trainer, ro, b)
     routed = (ro.routing >= 0).all(-1).all(-1)
     flips = moe.flip_metrics(ro.routing[routed], moe.chosen(trainer).view(*ro.routing.shape)[routed])["moe/flip_frac"]
