@@ -32,6 +32,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from moe import checkpoint_tensors
 from parallel import full_weights
 
 
@@ -265,8 +266,9 @@ def lock_run_dir(out_dir: str):
 
 
 def _save_hf(model, path: str, rank: int, tokenizer=None) -> None:
-    """A Hugging Face folder (config + model.safetensors) from the full weights; every TP rank gathers."""
-    state = {name: t.cpu() for bucket in full_weights(model) for name, t in bucket}
+    """A Hugging Face folder (config + model.safetensors) from the full weights; every TP rank gathers. MoE experts are
+    written one by one under the checkpoint's names (what from_pretrained, SGLang and vLLM load)."""
+    state = {n: t.to("cpu", copy=True) for bucket in full_weights(model) for pair in bucket for n, t in checkpoint_tensors(*pair)}
     if rank == 0:
         os.makedirs(path)
         model.config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames the class FSDP<name>

@@ -148,3 +148,17 @@ def test_tiny_moe_trains_with_routing_replay_and_logs_router_flips(tmp_path):
     # the same rollouts (replay acts in the trainer only), and the same router flips: they compare the trainer's own choice
     for key in ("rollout/response_len_mean", "moe/flip_frac"):
         assert rows[True][key] == rows[False][key], key
+
+
+def test_checkpoint_has_per_expert_names_and_loads_back(model, tmp_path):
+    from safetensors import safe_open
+
+    from runlog import _save_hf
+
+    _save_hf(model, str(tmp_path / "ckpt"), rank=0)
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in names and not any(n.endswith("experts.gate_up_proj") for n in names)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)
+    want = model.state_dict()
+    assert back.state_dict().keys() == want.keys() and all(torch.equal(t, want[k]) for k, t in back.state_dict().items())

@@ -336,8 +336,9 @@ def _final_weights(out_dir):
 
 MODES = {"dp2": (2, []), "tp2": (2, ["--tp", "2"]), "dp2-fsdp": (2, ["--fsdp"]), "tp2-dp2-fsdp": (4, ["--tp", "2", "--fsdp"]),
          "2-nodes-fsdp": (1, ["--fsdp"]),  # two torchrun agents (--nnodes 2) of one process each, meeting at a local c10d endpoint
-         "tp2-grpo-shared-prefix": (2, ["--tp", "2", "--algo", "grpo"])}  # against a single process without shared prefixes
-SINGLE = {"tp2-grpo-shared-prefix": ["--algo", "grpo", "--no-shared-prefix"]}
+         "tp2-grpo-shared-prefix": (2, ["--tp", "2", "--algo", "grpo"]),  # against a single process without shared prefixes
+         "tp2-moe-replay": (2, ["--tp", "2", "--tiny", "moe", "--routing-replay"])}  # experts per rank, replayed routing
+SINGLE = {"tp2-grpo-shared-prefix": ["--algo", "grpo", "--no-shared-prefix"], "tp2-moe-replay": ["--tiny", "moe", "--routing-replay"]}
 
 
 def _torchrun(mode, args, timeout=600):
@@ -362,8 +363,9 @@ def _torchrun(mode, args, timeout=600):
 @pytest.mark.torchrun
 @pytest.mark.parametrize("mode", list(MODES))
 def test_torchrun_step_equals_single_process(tmp_path, mode):
-    """One PPO step with 2 processes (dp=2, tp=2, dp=2 with FSDP, two 1-process nodes) or 4 (tp=2 x dp=2 with FSDP), and
-    one GRPO step under tp=2 with shared prefixes, equal the single-process step (without shared prefixes): the same
+    """One PPO step with 2 processes (dp=2, tp=2, dp=2 with FSDP, two 1-process nodes, tp=2 on the tiny MoE with routing
+    replay) or 4 (tp=2 x dp=2 with FSDP), and one GRPO step under tp=2 with shared prefixes, equal the single-process
+    step (without shared prefixes): the same
     rollouts (row seeds), advantages and global-denominator losses (micro-batched), so the same weights after the
     update (gathered from the shards into the checkpoint)."""
     args = ["--steps", "1", "--critic-pretrain", "0", "--eval-size", "32", "--engine-dtype", "fp32", "--micro-batch", "8"]
