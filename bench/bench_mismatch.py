@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_mismatch.py                     # default tiny model, addition, 256 prompts
     .venv/bin/python bench/bench_mismatch.py --task sort --prompts 256 --models .cache/tiny-addition-... other/
+    .venv/bin/python bench/bench_mismatch.py --tiny moe --prompts 1024    # the tiny MoE: also router flips
 
 For each model folder and knob (engine dtype + KV-cache dtype) the engine samples one response per prompt
 (train prompts of the task, chat formatted, temperature 1 and the <|im_end|> stop, as train_ppo.py samples),
@@ -13,6 +14,8 @@ and the HF model in fp32 recomputes the log-probs of the same tokens as train_pp
                positions (the engine's from EmbeddedEngine.logits over prompt + response, no cache)
     out [0.5,2] tokens whose k leaves IcePop's band (what it masks), per mille
     max|log k|
+    flips      MoE models: router choices (token x layer) whose expert set differs between engine and trainer, and
+               tokens with a differing set in any layer, in percent (moe.flip_metrics)
 
 The fp32 row is the control (same pipeline, no precision change). One thread; the default run takes
 under a minute on 2 shared cores, most of it in the bf16-compute knobs (bf16 matmuls are slow on CPUs
@@ -31,6 +34,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # run from anywhere
 import losses  # noqa: E402
+import moe  # noqa: E402
 from data.tasks import encode_prompt, get_task  # noqa: E402
 from data.tiny import default_model  # noqa: E402
 from rollout import EmbeddedEngine, Rollout, Sampling  # noqa: E402
@@ -39,14 +43,19 @@ KNOBS = [("fp32", "auto"), ("bf16", "auto"), ("fp8", "auto"), ("int4", "auto"), 
 ROWS = 256  # rows per forward pass
 
 
-def train_logits(model, ro: Rollout, pad_id: int) -> torch.Tensor:
-    """The trainer's fp32 logits [B, T, V] predicting each response token (train_ppo.py's layout)."""
+def train_logits(model, ro: Rollout, pad_id: int):
+    """The trainer's fp32 logits [B, T, V] predicting each response token (train_ppo.py's layout), and for an MoE the
+    experts its routers chose at those columns [B, T, layers, k] (None for a dense model)."""
     b = ro.to_batch(pad_id)
-    P = b.response_start
+    P, T = b.response_start, ro.tokens.size(1)
+    logits, routes = [], []
     with torch.no_grad():
-        return torch.cat([model(input_ids=b.input_ids[i : i + ROWS], attention_mask=b.attention_mask[i : i + ROWS],
-                                position_ids=b.position_ids[i : i + ROWS]).logits[:, P - 1 : -1]
-                          for i in range(0, len(ro.tokens), ROWS)])
+        for i in range(0, len(ro.tokens), ROWS):
+            rows = slice(i, i + ROWS)
+            logits.append(model(input_ids=b.input_ids[rows], attention_mask=b.attention_mask[rows], position_ids=b.position_ids[rows]).logits[:, P - 1 : -1])
+            if ro.routing is not None:
+                routes.append(moe.chosen(model).view(len(logits[-1]), P + T, *ro.routing.shape[2:])[:, P - 1 : -1])
+    return torch.cat(logits), torch.cat(routes) if routes else None
 
 
 def engine_logits(engine: EmbeddedEngine, ro: Rollout) -> torch.Tensor:
@@ -66,13 +75,19 @@ def engine_logits(engine: EmbeddedEngine, ro: Rollout) -> torch.Tensor:
 def measure(model, dtype: str, kv: str, prompts: list[list[int]], sampling: Sampling, pad_id: int) -> dict:
     engine = EmbeddedEngine(model, dtype=dtype, kv_cache_dtype=kv)
     ro = engine.generate(prompts, sampling)
-    train = train_logits(model, ro, pad_id)
+    train, own = train_logits(model, ro, pad_id)
     train_logp = losses.token_logprobs(train, ro.tokens)
     m = losses.mismatch_metrics(train_logp, ro.infer_logp, ro.mask)
+    if own is not None:  # MoE: the engine's experts at the same columns, over the sampled tokens
+        P = ro.routing.size(1) - ro.tokens.size(1)
+        engine_routes = ro.routing[:, P - 1 : -1]
+        valid = ro.mask & (engine_routes >= 0).all(-1).all(-1)
+        m |= moe.flip_metrics(engine_routes[valid], own[valid])
     p, q = engine_logits(engine, ro).log_softmax(-1), train.log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)[ro.mask]
     return {"k3": m["mismatch/k3"].item(), "kl": kl.mean().item(), "out": 1000 * m["mismatch/masked_frac"].item(),
-            "max": m["mismatch/abs_diff_max"].item(), "tokens": int(ro.mask.sum())}
+            "max": m["mismatch/abs_diff_max"].item(), "tokens": int(ro.mask.sum()),
+            "flips": 100 * float(m.get("moe/flip_frac", float("nan"))), "any": 100 * float(m.get("moe/flip_any_layer_frac", float("nan")))}
 
 
 def main():
@@ -81,6 +96,7 @@ def main():
     ap.add_argument("--task", default="addition", choices=["addition", "sort"])
     ap.add_argument("--prompts", type=int, default=256, help="train prompts sampled per knob (one response each)")
     ap.add_argument("--seed", type=int, default=0, help="picks the prompts and seeds the sampling")
+    ap.add_argument("--tiny", default="dense", choices=["dense", "moe"], help="the default model's architecture (without --models)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -89,20 +105,20 @@ def main():
     task = get_task(args.task)
     idx = random.Random(args.seed).sample(range(len(task.train)), args.prompts)
     texts = task.train.select(idx)["prompt"]
-    for path in args.models or [default_model(os.path.join(REPO, ".cache"))]:
+    for path in args.models or [default_model(os.path.join(REPO, ".cache"), task=args.task, arch=args.tiny)]:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = moe.install(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())  # MoE: routers record
         prompts = [encode_prompt(tok, t) for t in texts]
         sampling = Sampling(temperature=1.0, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,),
                             seed=args.seed)
         print(f"model {path}\ntask {args.task}, {args.prompts} prompts, seed {args.seed}; per response token:")
         print(f"{'engine':<12} {'kv cache':<9} {'k3':>9} {'exact KL':>9} {'out [0.5,2]':>12} {'max|log k|':>11} "
-              f"{'tokens':>7} {'s':>5}")
+              f"{'tokens':>7} {'s':>5} {'flips %':>8} {'any layer %':>12}")
         for dtype, kv in KNOBS:
             t0 = time.perf_counter()
             r = measure(model, dtype, kv, prompts, sampling, tok.pad_token_id)
             print(f"{dtype:<12} {kv:<9} {r['k3']:>9.2e} {r['kl']:>9.2e} {r['out']:>10.2f}\u2030 {r['max']:>11.3f} "
-                  f"{r['tokens']:>7} {time.perf_counter() - t0:>5.1f}", flush=True)
+                  f"{r['tokens']:>7} {time.perf_counter() - t0:>5.1f} {r['flips']:>8.2f} {r['any']:>12.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,3 +21,13 @@ def test_train_flops_hand_case(tmp_path):
     assert bench_train.train_flops(cfg, 1000, 100) == 2 * n * 1000 * (4 + 7) + 2 * 128 * 320 * 100 * 4
     grpo = {**cfg, "algo": "grpo", "kl": "k3-loss"}  # no critic; the reference forward counts
     assert bench_train.train_flops(grpo, 1000, 100) == 2 * n * 1000 * 5 + 2 * 128 * 320 * 100 * 5
+
+
+def test_train_flops_counts_the_routed_experts_only(tmp_path):
+    from data.tiny import tiny_moe_config
+
+    tiny_moe_config(320, num_hidden_layers=2).save_pretrained(tmp_path)
+    # a layer: attention as above, q/k RMSNorms of 32, the router 8 x 128, 2 of the 8 experts of 3 x 128 x 256, two norms
+    n = 2 * (2 * 128 * 128 + 2 * 128 * 64 + 2 * 32 + 8 * 128 + 2 / 8 * 8 * 3 * 128 * 256 + 2 * 128) + 128
+    cfg = {"model_path": str(tmp_path), "algo": "grpo", "ppo_epochs": 1, "critic_updates": 2, "kl": "none"}
+    assert bench_train.train_flops(cfg, 1000, 100) == 2 * n * 1000 * 4 + 2 * 128 * 320 * 100 * 4

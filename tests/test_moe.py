@@ -162,3 +162,20 @@ def test_checkpoint_has_per_expert_names_and_loads_back(model, tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)
     want = model.state_dict()
     assert back.state_dict().keys() == want.keys() and all(torch.equal(t, want[k]) for k, t in back.state_dict().items())
+
+
+def test_untie_head_keeps_the_function_and_writes_a_head(tmp_path):
+    from safetensors import safe_open
+
+    from data.tiny import build_tiny_model, untie_head
+
+    path = build_tiny_model(str(tmp_path / "m"), arch="moe")
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = transformers.AutoModelForCausalLM.from_pretrained(path).eval()(input_ids=ids).logits
+        untie_head(path)
+        m = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        assert not m.config.tie_word_embeddings and m.lm_head.weight is not m.model.embed_tokens.weight
+        assert torch.equal(m(input_ids=ids).logits, before)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" in f.keys()

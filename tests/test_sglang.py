@@ -20,7 +20,7 @@ import torch.distributed as dist
 import transformers
 
 import losses
-from data.tiny import build_tiny_model
+from data.tiny import build_tiny_model, untie_head
 from rollout import Sampling
 
 pytestmark = [
@@ -127,12 +127,13 @@ def check_rollout(ro, prompts, s: Sampling, stop: set[int]):
 
 
 def test_moe_logprobs_and_weight_sync(tmp_path):
-    """The tiny Qwen3-MoE (untied head) in SGLang's CPU mode: fp32 log-probs equal the HF forward, and after
+    """The tiny Qwen3-MoE (head untied) in SGLang's CPU mode: fp32 log-probs equal the HF forward, and after
     update_weights from the trainer's fused expert tensors (sent per expert, the checkpoint's names) they equal the
     changed model's. Own engine, started before the module's (on a GPU the two do not share memory)."""
     from sglang_engine import SGLangEngine
 
     model_dir = build_tiny_model(str(tmp_path / "moe"), seed=0, arch="moe")
+    untie_head(model_dir)  # as default_model saves it: SGLang's Qwen3-MoE has no tied head
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     s = Sampling(temperature=1.0, max_new_tokens=8, n=2, seed=0)
     eng = SGLangEngine(model_dir, dtype="fp32", max_total_tokens=4096)
