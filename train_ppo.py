@@ -336,7 +336,7 @@ def main(cfg: Config) -> list[dict]:
         critic = parallelize(critic.to(rt.device), tp_mesh, fsdp)
         opts["critic"] = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=plan["critic_lr_used"], weight_decay=0.0)
     if cfg.kl != "none":  # the frozen initial policy, also on resume
-        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(rt.device).requires_grad_(False)
+        ref = moe.install(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(rt.device).requires_grad_(False))
         ref = parallelize(ref, tp_mesh, fsdp).eval()
     start, bad = 0, {k: 0 for k in opts}  # consecutive skipped updates, per model
     if ckpt:

@@ -1,4 +1,5 @@
-"""The embedded default model: a ~1M-parameter Llama with a byte-level ChatML tokenizer, no hub.
+"""The embedded default model: a ~1M-parameter Llama with a byte-level ChatML tokenizer, no hub (and its Qwen3-MoE
+twin, ~1M active of 3.4M parameters: train_ppo.py --tiny moe).
 
 `default_model()` returns a folder that `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained`
 load like any Hugging Face checkpoint. It is built on first use (random init, then a short
