@@ -239,8 +239,9 @@ def test_to_batch_layout():
     ro = Rollout(tokens=torch.tensor([[7, 8, 0], [9, 0, 0]]), infer_logp=torch.zeros(2, 3),
                  mask=torch.tensor([[True, True, False], [True, False, False]]),
                  prompt_ids=[[1, 2], [3, 4, 5]], finish_reasons=["stop", "stop"])
-    input_ids, attention_mask, position_ids, P, keep, group = ro.to_batch(pad_id=99)
+    input_ids, attention_mask, position_ids, P, keep, group, routing = ro.to_batch(pad_id=99)
     assert P == 3 and keep.tolist() == [2, 3, 4] and group == 1  # the columns whose outputs predict response tokens 0, 1, 2
+    assert routing is None  # a dense engine records no experts
     assert input_ids.tolist() == [[99, 1, 2, 7, 8, 99], [3, 4, 5, 9, 99, 99]]
     assert attention_mask.tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]
     assert position_ids[0, 1:5].tolist() == [0, 1, 2, 3] and position_ids[1, :4].tolist() == [0, 1, 2, 3]
