@@ -377,7 +377,8 @@ def test_torchrun_step_equals_single_process(tmp_path, mode):
     assert a.keys() == b.keys()
     # TP peers see the same rows, so every metric matches. Data-parallel ranks average their local means,
     # which equal the global ones only for per-row quantities and for the norms of the reduced gradients.
-    exact = [k for k in a if k != "step"] if mode.startswith("tp2") and "dp2" not in mode else [
+    # (train/tokens_per_pass counts the tokens a pass computes: fewer with shared prefixes, by design)
+    exact = [k for k in a if k not in ("step", "train/tokens_per_pass")] if mode.startswith("tp2") and "dp2" not in mode else [
         "rollout/reward_mean", "rollout/response_len_mean", "rollout/truncated_frac", "eval/greedy_acc", "eval/sampled_acc",
         "ppo/grad_norm", "critic/grad_norm"]
     for k in exact:
@@ -385,13 +386,19 @@ def test_torchrun_step_equals_single_process(tmp_path, mode):
         assert b[k] == pytest.approx(a[k], rel=1e-3, abs=5e-3 if "frac" in k else 1e-5), k
     # Adam's first step moves every weight by about lr * sign(grad), so where a gradient is within a few eps
     # of zero, summation-order rounding (~1e-10) moves that weight by a fraction of lr. Observed: max
-    # 0.15 lr on under 0.05% of the entries; a wrong or unreduced gradient flips many entries by 2 lr.
+    # 0.15 lr on under 0.05% of the entries; a wrong or unreduced gradient flips many entries by 2 lr. Entries the
+    # single run moved by under lr / 2 had such a near-zero gradient (in the MoE, the router row of an expert
+    # almost never chosen: measured 0.004 lr, differing by up to 0.025 lr); they are held to the max bound only.
     lr = Config().lr
     wa, wb = _final_weights(tmp_path / "single"), _final_weights(tmp_path / "par")
+    start = load_file(os.path.join(json.load(open(tmp_path / "single" / "config.json"))["config"]["model_path"], "model.safetensors"))
     assert wa.keys() == wb.keys()
+    n_moved = 0
     for name in wa:
-        diff = (wb[name] - wa[name]).abs()
-        assert diff.max() <= 0.3 * lr and (diff > 0.01 * lr).float().mean() < 1e-3, (name, diff.max().item())
+        diff, moved = (wb[name] - wa[name]).abs(), (wa[name] - start[name]).abs() > 0.5 * lr
+        assert diff.max() <= 0.3 * lr and (diff[moved] > 0.01 * lr).sum() <= 1e-3 * moved.sum(), (name, diff.max().item())
+        n_moved += int(moved.sum())
+    assert n_moved > 0.5 * sum(w.numel() for w in wa.values())  # most weights took a full step: the check is not vacuous
 
 
 @pytest.mark.sglang
