@@ -529,7 +529,11 @@ def report(name, g, runs, meta, md_path, asset_dir, quick):
         if task in stats:
             rel = os.path.relpath(asset_dir, os.path.dirname(md_path))
             out += [""] + [f"![{f}]({rel}/{f})" for f in plots(g, runs, task, asset_dir)]
-    out += ["", "## Verdict (computed mechanically from the decision rule)", "", *VERDICTS[name](stats)]
+    out += ["", "## Verdict (computed mechanically from the decision rule)", ""]
+    if (done := len(runs)) < (planned := len(g["arms"]) * len(g["tasks"]) * len(g["seeds"])):
+        out += [f"**Partial grid: {done} of {planned} runs finished.** What follows applies the rule to the finished runs only; "
+                "the grid's verdict is the one computed once every run has finished.", ""]
+    out += VERDICTS[name](stats)
     if meta.get("failed"):
         out += ["", "## Failed runs", ""] + [f"- `{k}`, log ends:\n\n```\n{v}\n```" for k, v in meta["failed"].items()]
     with open(md_path, "w") as f:
