@@ -13,8 +13,8 @@ expert; transformers converts on load and save).
 
 Routing replay (R3, arXiv 2510.11370): the forward uses the experts the rollout engine chose for each token, while
 the gate weights are the trainer's own softmax at those experts (renormalised like the router's), so the router still
-gets a gradient. With an fp32 engine the replayed forward equals the engine's, whatever the trainer's router would
-have picked.
+gets a gradient. With an fp32 engine and the same weights the replayed forward is the engine's; where the trainer's
+router would pick other experts, only its gate weights still differ from the engine's (tests/test_moe.py).
 
 Tensor parallelism (``shard_experts``): experts are placed per rank (rank r of tp holds experts r E / tp ..
 (r + 1) E / tp - 1 as a Shard(0) DTensor, so weight sync and checkpoints gather full tensors); the router is
