@@ -63,6 +63,37 @@ def _route(self, hidden_states: Tensor):
     return logits, top.to(logits.dtype), idx
 
 
+def sparse_block(h: Tensor, router: Tensor, w1: Tensor, w2: Tensor, k: int, norm: bool, routes: list | None) -> Tensor:
+    """The embedded engine's Qwen3-MoE block, as HF computes it: fp32 softmax, top-k, renormalised if ``norm``, experts
+    in order; appends the experts [..., k] to ``routes`` when given."""
+    flat = h.reshape(-1, h.size(-1))
+    probs = torch.softmax(F.linear(flat, router), dtype=torch.float, dim=-1)
+    top, idx = torch.topk(probs, k, dim=-1)
+    if norm:
+        top = top / top.sum(-1, keepdim=True)
+    top, out = top.to(flat.dtype), torch.zeros_like(flat)
+    for e in idx.unique().tolist():
+        tok, slot = torch.where(idx == e)
+        gate, up = F.linear(flat[tok], w1[e]).chunk(2, dim=-1)
+        out.index_add_(0, tok, F.linear(F.silu(gate) * up, w2[e]) * top[tok, slot, None])
+    if routes is not None:
+        routes.append(idx.view(*h.shape[:-1], -1))
+    return out.view_as(h)
+
+
+def batch_routes(b, rows) -> Tensor:
+    """The engine's experts [positions, layers, k] of a TrainBatch's forward over rows (train_ppo.sequences order)."""
+    return b.routing[rows[:: b.group] // b.group].flatten(0, 1)
+
+
+def batch_flips(model: nn.Module, b, rows, gen_mask: Tensor) -> dict[str, Tensor]:
+    """flip_metrics of the last forward over rows' sampled tokens, each at the column that predicts it."""
+    at_keep = lambda r: r.view(-1, b.input_ids.size(1), *r.shape[1:])[:, b.keep].reshape(len(rows), -1, *r.shape[1:])  # noqa: E731
+    engine, own = at_keep(batch_routes(b, rows)), at_keep(chosen(model))
+    valid = gen_mask[rows] & (engine >= 0).all(-1).all(-1)
+    return flip_metrics(engine[valid], own[valid])
+
+
 def install(model: nn.Module) -> nn.Module:
     """Give every router of ``model`` the recording / replaying forward (numerically the HF one without replay)."""
     for b in blocks(model):

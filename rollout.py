@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import losses
+import moe
 from quant import fake_quant
 
 
@@ -503,24 +504,8 @@ class EmbeddedEngine:
                 gate, up = F.linear(h, gu_w, gu_b).chunk(2, dim=-1)
                 x = x + F.linear(F.silu(gate) * up, down_w, down_b)
             else:
-                x = x + self._moe(h, router, egu, edown, routes)
+                x = x + moe.sparse_block(h, router, egu, edown, self.top_k, self.norm_topk, routes)
         return _rmsnorm(x, self._norm, self.eps)
-
-    def _moe(self, h: Tensor, router: Tensor, w1: Tensor, w2: Tensor, routes: list | None) -> Tensor:
-        """Qwen3-MoE's sparse block, as HF computes it: fp32 softmax, top-k, renormalised if norm_topk_prob; experts in order."""
-        flat = h.reshape(-1, h.size(-1))
-        probs = torch.softmax(F.linear(flat, router), dtype=torch.float, dim=-1)
-        top, idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            top = top / top.sum(-1, keepdim=True)
-        top, out = top.to(flat.dtype), torch.zeros_like(flat)
-        for e in idx.unique().tolist():
-            tok, slot = torch.where(idx == e)
-            gate, up = F.linear(flat[tok], w1[e]).chunk(2, dim=-1)
-            out.index_add_(0, tok, F.linear(F.silu(gate) * up, w2[e]) * top[tok, slot, None])
-        if routes is not None:
-            routes.append(idx.view(*h.shape[:-1], -1))
-        return out.view_as(h)
 
     @torch.inference_mode()
     def logits(self, input_ids: Tensor) -> Tensor:

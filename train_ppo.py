@@ -166,19 +166,6 @@ def sequences(b, rows):
     return {"input_ids": b.input_ids[sel], "attention_mask": b.attention_mask[sel], "position_ids": b.position_ids[sel]}
 
 
-def routes(b, rows) -> torch.Tensor:
-    """The engine's experts [positions, layers, k] of the forward's positions for rows (sequences() order, flattened)."""
-    return b.routing[rows[:: b.group] // b.group].flatten(0, 1)
-
-
-def router_flips(model, b, rows, gen_mask) -> dict:
-    """moe.flip_metrics of the last forward over rows' sampled tokens, each at the column that predicts it."""
-    at_keep = lambda r: r.view(-1, b.input_ids.size(1), *r.shape[1:])[:, b.keep].reshape(len(rows), -1, *r.shape[1:])  # noqa: E731
-    engine, own = at_keep(routes(b, rows)), at_keep(moe.chosen(model))
-    valid = gen_mask[rows] & (engine >= 0).all(-1).all(-1)
-    return moe.flip_metrics(engine[valid], own[valid])
-
-
 def response_logprobs(model, b, rows, tokens, cfg: Config, entropy: bool = False):
     """(log-probs [b, T], entropy [b, T] or None) of the response tokens of rows. The forward keeps only the columns that
     predict response tokens (b.keep, logits_to_keep), and the LM head runs on them chunk by chunk (losses.head_logprobs):
@@ -190,7 +177,7 @@ def response_logprobs(model, b, rows, tokens, cfg: Config, entropy: bool = False
         out["logp"], out["entropy"] = L.head_logprobs(head, h.reshape(len(rows), tokens.size(1), h.size(-1)), tokens[rows], cfg.temperature,
                                                       top_k=cfg.top_k, top_p=cfg.top_p, entropy=entropy)
         return out["logp"]
-    replay = routes(b, rows) if cfg.routing_replay else None
+    replay = moe.batch_routes(b, rows) if cfg.routing_replay else None
     with (head_replaced(model, logprobs) as head, moe.routing(model, replay),
           torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16")):
         model(**sequences(b, rows), logits_to_keep=b.keep)
@@ -459,7 +446,7 @@ def main(cfg: Config) -> list[dict]:
             for r in micro(all_rows, cfg, grp):
                 old_logp.append(lp(policy, r))
                 if b.routing is not None:  # MoE: how often the trainer's routers pick other experts than the engine's
-                    add(m, router_flips(policy, b, r, gen_mask))
+                    add(m, moe.batch_flips(policy, b, r, gen_mask))
             old_logp = torch.cat(old_logp)
             ref_logp = torch.cat([lp(ref, r) for r in micro(all_rows, cfg, grp)]) if ref is not None else None
             old_values = torch.cat([response_values(critic, b, r, cfg) for r in micro(all_rows, cfg, grp)]) if critic is not None else None
