@@ -538,7 +538,8 @@ def main(cfg: Config) -> list[dict]:
             "rollout/response_len_mean": lengths.float().mean(),
             "rollout/response_len_max": lengths.max().float(), "rollout/tokens_per_s": n_tok * plan["dp"] / times["time/rollout"],  # dp engines run at once
             "rollout/truncated_frac": sum(f in ("length", "turn_length") for f in ro.finish_reasons) / len(ro.finish_reasons),
-            "train/tokens_per_pass": all_reduce(fed.float(), dp_group), "train/response_tokens": all_reduce(n_tok.float(), dp_group),
+            # summed over dp ranks: reduce_metrics takes the mean over ranks, times dp is the sum (no extra collective)
+            "train/tokens_per_pass": fed.float() * plan["dp"], "train/response_tokens": n_tok.float() * plan["dp"],
             **(episode_metrics(out) if play else {}),
         })
         if cfg.algo == "grpo":  # groups whose n rewards are all equal carry no GRPO signal
