@@ -15,6 +15,7 @@ decision rule, written below before the grid was run: never edit them after seei
 
 import argparse
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -128,6 +129,12 @@ GRIDS = {
         "quick": {**QUICK, "tasks": ["guess"], "base": QUICK["base"] + ["--engine-dtype", "fp32"]},
     },
 }
+# Written 2026-12-02, after 8 moe and 2 guess-learns-rep runs had finished and before any further run.
+REBUILT = ("The start model cannot be rebuilt bit for bit: its warm-up depended on the torch thread count of whichever "
+           "process built it first, and no thread count reproduces the build those runs used. data/tiny.py now builds with a "
+           "fixed 2 threads (a new cache name); the {runs} from the earlier build are set aside (set-aside.jsonl.gz beside the "
+           "metrics, in no table or verdict) and every seed runs from the new build ({start}). Hypothesis, arms, seeds, steps and "
+           "decision rule are unchanged.")
 GRIDS["moe"] = {
     "hypothesis": "On the tiny Qwen3-MoE (8 experts, top-2, 4 layers) trained on addition, a bf16 engine with an fp8 KV "
     "cache against the fp32 trainer flips more router choices and raises the train-inference mismatch well above the plain "
@@ -157,6 +164,8 @@ GRIDS["moe"] = {
     "split_by_algo": True,
     "moe": True,  # the report adds the routing table
     "quick": {**QUICK, "arms": ["ppo-kvfp8-none", "ppo-kvfp8-replay"], "base": QUICK["base"] + ["--tiny", "moe"]},
+    "amendments": [REBUILT.format(runs="8 runs (seed 0 of each core arm; greedy accuracy 50.4% at step 0)", start="45.0% greedy "
+                                  "accuracy on the 3000 test problems, warm-up 500 steps to 43.8% on its validation rows")],
 }
 # A replication on fresh seeds, registered after guess-learns came out null (+5.8 +- 6.0 over 5 seeds). Its seeds are
 # judged alone, never pooled with guess-learns' (pooling after seeing a result would be optional stopping).
@@ -168,6 +177,8 @@ GRIDS["guess-learns-rep"] = {
     "problems) from step 0 to step 150, one value per seed; 95% t-interval of the seed mean. RL LEARNS if the mean gain is at least "
     "5 points and the interval excludes 0; otherwise a null result. Secondary (reported, not decisive): the sampled success gain.",
     "seeds": list(range(5, 15)),
+    "amendments": [REBUILT.format(runs="2 runs (seeds 5 and 6; greedy success 31.8% at step 0)", start="27.0% greedy success on the "
+                                  "500 test problems at step 0")],
 }
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -238,9 +249,32 @@ def log_tail(path, n=15):
         return "\n".join([x for x in re.split(r"[\r\n]", f.read()) if x.strip()][-n:])  # tqdm bars end in \r
 
 
+def start_model(path):
+    """Fingerprint of a start model: sha256 of its weight files (16 hex digits), None if the folder is gone."""
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if path and os.path.isdir(path) else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for name in files:
+        with open(os.path.join(path, name), "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def default_start_model(g, task):
+    """The folder of the default model a run of this grid and task starts from, built now if this machine lacks it
+    (train_ppo.py would build the same one: data.tiny.default_model, the same cache)."""
+    sys.path.insert(0, REPO)
+    from data.tiny import default_model
+
+    arch = g["base"][g["base"].index("--tiny") + 1] if "--tiny" in g["base"] else "dense"
+    return default_model(os.path.join(REPO, ".cache"), task=task if task in ("addition", "sort", "guess") else "addition", arch=arch)
+
+
 def run_all(g, root, todo, jobs):
     """Launch the unfinished runs of todo, `jobs` at a time; returns {run key: log tail} of the failed ones."""
-    pending, running, failed, warm, done = [], {}, {}, set(), 0
+    pending, running, failed, done = [], {}, {}, 0
     for job in todo:
         key = "{}/{}/seed{}".format(*job)
         if finished(f"{root}/{key}", steps_of(g, job[0])):
@@ -251,9 +285,8 @@ def run_all(g, root, todo, jobs):
     try:
         while pending or running:
             for job in list(pending):
-                # The first run of a task may build the task's default model into .cache: the others wait for its first row.
-                if len(running) >= jobs or (job[0] not in warm and any(j[0] == job[0] for j, _, _ in running.values())):
-                    continue
+                if len(running) >= jobs:
+                    break
                 pending.remove(job)
                 task, arm, seed = job
                 d = f"{root}/{task}/{arm}/seed{seed}"
@@ -266,7 +299,6 @@ def run_all(g, root, todo, jobs):
                     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
                     running[subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)] = (job, d, time.time())
             time.sleep(0.5)
-            warm |= {j[0] for j, d, _ in running.values() if j[0] not in warm and read_rows(d)}
             for p in [p for p in running if p.poll() is not None]:
                 (task, arm, seed), d, t0 = running.pop(p)
                 key, done = f"{task}/{arm}/seed{seed}", done + 1
@@ -300,7 +332,8 @@ def collect(g, root):
                 keep = [{k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in r.items()  # per-position EV: last 20% only
                          if k == "step" or k in KEEP or k.startswith("critic/ev_pos_") and r["step"] > 0.8 * S} for r in curve(rows)]
                 runs.append({"task": task, "arm": arm, "seed": seed, "steps": S, "rollout_batch": cfg["rollout_batch"],
-                             "eval_n": int(n_eval[-1]) if n_eval else None, "pretrain_steps": sum("pretrain/step" in r for r in rows), "rows": keep})
+                             "eval_n": int(n_eval[-1]) if n_eval else None, "pretrain_steps": sum("pretrain/step" in r for r in rows),
+                             "start_model": start_model(cfg.get("model_path")), "rows": keep})
     return runs
 
 
@@ -489,15 +522,23 @@ def plots(g, runs, task, out_dir):
     return files
 
 
-def report(name, g, runs, meta, md_path, asset_dir, quick):
+def report(name, g, runs, meta, md_path, asset_dir, quick, n_aside=0):
     ci = lambda c: "-" if c[2] == 0 else f"{c[0]:.1f}" if c[2] < 2 else f"{c[0]:.1f} ± {c[1]:.1f}"  # noqa: E731
     fmt = lambda x, spec: "-" if x != x else format(x, spec)  # noqa: E731
     out = [f"# Lab grid `{name}`" + (" (quick smoke variant: not evidence)" if quick else ""), "", "## Pre-registered hypothesis", "",
-           g["hypothesis"], "", "## Decision rule", "", g["decision_rule"], "", "## How it was run", "", "```", *meta.get("commands", []), "```", "",
+           g["hypothesis"], "", "## Decision rule", "", g["decision_rule"], "",
+           *(["## Amendments (each written before the runs it concerns)", "", *[f"- {a}" for a in g["amendments"]], ""] if g.get("amendments") else []),
+           "## How it was run", "", "```", *meta.get("commands", []), "```", "",
            f"Each run: `python train_ppo.py --out-dir <runs-dir>/{name}/<task>/<arm>/seed<k> --seed <k> --task <task> --steps <steps> <base> <arm flags>`;"
            f" steps {g['steps']}, seeds {g['seeds']}, tasks {g['tasks']}.", "", f"Base flags: `{shlex.join(g['base'])}`", "",
            "| arm | flags | seeds finished (all tasks) |", "|---|---|---|"]
     out += [f"| {a} | `{shlex.join(f)}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |" for a, f in g["arms"].items()]
+    fps = {t: sorted({str(r.get("start_model")) for r in runs if r["task"] == t}) for t in g["tasks"]}
+    out += ["", "Start model per task (sha256 of its weights, 16 hex digits; None: a run from before fingerprints): "
+            + "; ".join(f"{t} {', '.join(f)}" for t, f in fps.items() if f) + "."]
+    if n_aside:
+        out += [f"{n_aside} earlier run(s) that started from another build of the start model are set aside (not in any table "
+                f"or verdict): `{os.path.basename(asset_dir)}/set-aside.jsonl.gz`."]
     n_eval = sorted({r["eval_n"] for r in runs if r.get("eval_n")})
     out += ["", f"Held-out problems per evaluation (from the run logs): {', '.join(map(str, n_eval)) or 'unknown'}. Accuracies in points: "
             "seed mean ± half-width of the 95% t-interval; best = max over the evaluations after step 0. k3: mean over the first / last 20% "
@@ -550,11 +591,13 @@ def main():
     p.add_argument("--arms", help="comma-separated arm labels, or 'core'")
     p.add_argument("--tasks", help="comma-separated tasks")
     p.add_argument("--seeds", help="comma-separated seeds")
+    p.add_argument("--set-aside", action="store_true", help="move stored runs that started from another build of the start model "
+                   "out of the grid (into set-aside.jsonl.gz beside its metrics) instead of refusing to run")
     args = p.parse_args()
     g = grid_spec(args.grid, args.quick)
     root = os.path.abspath(os.path.join(args.runs_dir, args.grid + ("-quick" if args.quick else "")))
     md_path, asset_dir = (f"{root}/report.md", f"{root}/report") if args.quick else (f"{REPO}/docs/lab/{args.grid}.md", f"{REPO}/docs/lab/{args.grid}")
-    compact = os.path.join(asset_dir, "metrics.jsonl.gz")
+    compact, aside = os.path.join(asset_dir, "metrics.jsonl.gz"), os.path.join(asset_dir, "set-aside.jsonl.gz")
     meta, stored = load_compact(compact)
     if not args.only_report:
         arms = g["core"] if args.arms == "core" else args.arms.split(",") if args.arms else list(g["arms"])
@@ -571,6 +614,24 @@ def main():
         # Core arms first; within a phase, every arm of a seed before the next seed, so a partial grid stays balanced.
         core = [a for a in g["core"] if a in arms]
         todo = [(t, a, s) for phase in (core, [a for a in arms if a not in core]) for t in tasks for s in seeds for a in phase]
+        # One grid, one start model: stored runs that started from another build of it (another thread count, library
+        # or code version; older runs carry no fingerprint) are never mixed with new ones. --set-aside moves them out.
+        fps = {t: start_model(default_start_model(g, t)) for t in tasks}
+        if other := [r for r in stored if r["task"] in fps and r.get("start_model") != fps[r["task"]]]:
+            if not args.set_aside:
+                sys.exit(f"{len(other)} stored run(s) of {args.grid} started from another build of the start model (fingerprints "
+                         f"{sorted({str(r.get('start_model')) for r in other})}; this machine's: {fps}). New runs would not be "
+                         f"comparable with them: rerun with --set-aside to move them to {aside} and run the grid anew.")
+            aside_meta, aside_runs = load_compact(aside)
+            save_compact(aside, {**aside_meta, "why": "started from another build of the start model"}, aside_runs + other)
+            stored = [r for r in stored if r not in other]
+            save_compact(compact, meta, stored)
+            print(f"set aside {len(other)} stored run(s) into {aside}", flush=True)
+        # A run finished on another machine (its folder is gone, its metrics are in the committed compact file) is not rerun.
+        if skip := [j for j in todo if not finished("{}/{}/{}/seed{}".format(root, *j), steps_of(g, j[0]))
+                    and any((r["task"], r["arm"], r["seed"], r["steps"]) == (*j, steps_of(g, j[0])) for r in stored)]:
+            print("\n".join("skip {}/{}/seed{} (finished: in the compact metrics file)".format(*j) for j in skip), flush=True)
+            todo = [j for j in todo if j not in skip]
         try:
             failed = run_all(g, root, todo, args.jobs)
         except KeyboardInterrupt:  # the runs this process started were stopped (they resume next time); report the finished ones
@@ -588,7 +649,7 @@ def main():
     os.makedirs(asset_dir, exist_ok=True)
     if local:
         save_compact(compact, meta, runs)
-    report(args.grid, g, runs, meta, md_path, asset_dir, args.quick)
+    report(args.grid, g, runs, meta, md_path, asset_dir, args.quick, len(load_compact(aside)[1]))
     print(f"report: {md_path} ({len(runs)} finished runs; compact metrics {compact})", flush=True)
     if not args.only_report and failed:
         sys.exit(f"{len(failed)} run(s) failed: {', '.join(failed)}")

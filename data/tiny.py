@@ -35,7 +35,12 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 # Bump when a change to this file changes the built model, so old caches are not reused.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
+# The warm-up's outcome depends on the torch thread count (float sums split differently): on this recipe 1 thread
+# ends addition at the 600-step cap with 32% while 2 threads reach 46% at step 550. The build always runs with this
+# many threads, whatever the caller's setting (OMP_NUM_THREADS=1 under torchrun, the core count under pytest), so
+# one cache name is one model on every machine of a kind.
+BUILD_THREADS = 2
 # Embedding rows are padded to a multiple of this (Megatron-style), for the vocab-parallel embedding.
 VOCAB_MULTIPLE = 64
 LR_WARMUP_STEPS, GRAD_CLIP = 30, 1.0
@@ -281,7 +286,7 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
     config.pop("transformers_version")  # the same model under any version, so one cache entry
     settings = {"format": CACHE_FORMAT, "config": config, **({"untie_head": True} if arch == "moe" else {}),
                 "task": task, "warmup": DEFAULT_WARMUP[task],
-                "lr_warmup_steps": LR_WARMUP_STEPS, "grad_clip": GRAD_CLIP}
+                "lr_warmup_steps": LR_WARMUP_STEPS, "grad_clip": GRAD_CLIP, "threads": BUILD_THREADS}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     path = os.path.abspath(os.path.join(cache_dir, f"tiny-{'moe-' if arch == 'moe' else ''}{task}-seed{seed}-{key}"))
     if os.path.isfile(os.path.join(path, "warmup.json")):
@@ -292,9 +297,12 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
     os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache should read like any folder
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # the load/save bars would bury the one line above
+    threads = torch.get_num_threads()
+    torch.set_num_threads(BUILD_THREADS)
     try:
         build_tiny_model(tmp, seed=seed, arch=arch)
         stats = warmup(tmp, tmp, TASKS[task](), **DEFAULT_WARMUP[task], seed=seed)
+        stats["built_with"] = {"threads": BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__}
         if arch == "moe":
             untie_head(tmp)
         with open(os.path.join(tmp, "warmup.json"), "w") as f:
@@ -305,6 +313,7 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
             if not os.path.isfile(os.path.join(path, "warmup.json")):
                 raise
     finally:
+        torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
         if bars:
             transformers.utils.logging.enable_progress_bar()

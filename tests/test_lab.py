@@ -116,3 +116,42 @@ def test_only_report_rebuilds_from_the_compact_file_alone(runs, tmp_path):
     rebuilt = (tmp_path / "mismatch-quick" / "report.md").read_text()
     assert rebuilt == (d / "mismatch-quick" / "report.md").read_text()
     assert (tmp_path / "mismatch-quick" / "report" / "addition_accuracy.png").is_file()
+
+
+def test_runs_in_the_compact_file_are_not_rerun_on_a_fresh_machine(runs, tmp_path):
+    """A grid resumed where only the committed report exists (the run folders were on another machine) trains nothing."""
+    d, _ = runs
+    shutil.copytree(d / "mismatch-quick" / "report", tmp_path / "mismatch-quick" / "report")
+    out = run_lab("mismatch", "--quick", "--jobs", "2", "--runs-dir", str(tmp_path))
+    assert out.count("(finished: in the compact metrics file)") == 4 and "] done " not in out and "4 finished runs" in out, out
+    assert not list((tmp_path / "mismatch-quick").glob("addition/*/seed*"))
+    tables = [(p / "mismatch-quick" / "report.md").read_text().split("## addition")[1] for p in (tmp_path, d)]
+    assert tables[0] == tables[1]
+
+
+def test_start_model_fingerprint(tmp_path):
+    assert lab.start_model(str(tmp_path)) is None and lab.start_model(None) is None and lab.start_model(str(tmp_path / "gone")) is None
+    (tmp_path / "model.safetensors").write_bytes(b"abc")
+    (tmp_path / "config.json").write_text("{}")  # not part of the fingerprint
+    assert lab.start_model(str(tmp_path)) == "ba7816bf8f01cfea"  # sha256("abc")
+
+
+def test_runs_from_another_start_model_are_refused_then_set_aside(runs, tmp_path):
+    """Stored runs that started from another build of the start model are never mixed with new ones."""
+    d, _ = runs
+    shutil.copytree(d / "mismatch-quick" / "report", tmp_path / "mismatch-quick" / "report")
+    compact = tmp_path / "mismatch-quick" / "report" / "metrics.jsonl.gz"
+    meta, stored = lab.load_compact(str(compact))
+    assert len({r["start_model"] for r in stored}) == 1 and stored[0]["start_model"]  # every run fingerprinted, one model
+    stored[0]["start_model"] = "0" * 16
+    lab.save_compact(str(compact), meta, stored)
+    out = subprocess.run([sys.executable, "bench/lab.py", "mismatch", "--quick", "--runs-dir", str(tmp_path)],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "1 stored run(s) of mismatch started from another build of the start model" in out.stderr, out.stderr
+    assert not list((tmp_path / "mismatch-quick").glob("addition/*/seed*"))  # refused before any run started
+    out = run_lab("mismatch", "--quick", "--jobs", "1", "--runs-dir", str(tmp_path), "--set-aside")
+    assert "set aside 1 stored run(s)" in out and out.count("] done ") == 1 and out.count("(finished: in the compact metrics file)") == 3, out
+    assert [r["start_model"] for r in lab.load_compact(str(compact.parent / "set-aside.jsonl.gz"))[1]] == ["0" * 16]
+    text = (tmp_path / "mismatch-quick" / "report.md").read_text()
+    assert "4 finished runs" in out and "1 earlier run(s) that started from another build" in text
+    assert len({r["start_model"] for r in lab.load_compact(str(compact))[1]}) == 1
