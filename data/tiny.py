@@ -4,7 +4,7 @@ twin, ~1M active of 3.4M parameters: train_ppo.py --tiny moe).
 `default_model()` returns a folder that `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained`
 load like any Hugging Face checkpoint. It is built on first use (random init, then a short
 supervised warm-up on the task so RL starts from a policy that is right some of the time) and
-cached under .cache/, one model per built-in task. A few minutes on one CPU core.
+cached under .cache/, one model per built-in task. A few minutes on 2 CPU threads (always 2: BUILD_THREADS).
 
     python -m data.tiny            # build the addition model (once) and print the path
     python -m data.tiny sort       # the sort model (guess: the multi-turn guessing task)
