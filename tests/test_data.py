@@ -286,6 +286,29 @@ def test_warmup_stops_at_target_and_is_deterministic(tiny_dir, tmp_path):
     assert any((pb != p0).any() for pb, p0 in zip(mb.parameters(), m0.parameters()))
 
 
+def test_default_model_builds_with_fixed_threads(tmp_path, monkeypatch):
+    """The build runs on BUILD_THREADS torch threads whatever the caller's count (the warm-up's outcome depends on
+    it), restores the caller's count, and records the threads and versions in warmup.json."""
+    import data.tiny as tiny
+
+    seen = []
+
+    def fake_warmup(model_dir, out_dir, task, **kw):
+        seen.append(torch.get_num_threads())
+        return {"steps": 0, "accuracy": 0.0, "seconds": 0.0, "history": []}
+
+    monkeypatch.setattr(tiny, "warmup", fake_warmup)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        path = tiny.default_model(cache_dir=str(tmp_path), task="addition")
+        assert seen == [tiny.BUILD_THREADS] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    built = json.load(open(os.path.join(path, "warmup.json")))["built_with"]
+    assert built == {"threads": tiny.BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 @pytest.mark.parametrize("task", ["addition", "sort"])
 def test_default_model_reaches_target(task):
     """Builds each task's default model once (1-3 minutes, cached in .cache/) and re-checks its accuracy."""
