@@ -266,19 +266,23 @@ def default_start_model(g, task):
     """The folder of the default model a run of this grid and task starts from, built now if this machine lacks it
     (train_ppo.py would build the same one: data.tiny.default_model, the same cache)."""
     sys.path.insert(0, REPO)
-    from data.tiny import default_model
+    from data.tiny import DEFAULT_WARMUP, default_model
 
     arch = g["base"][g["base"].index("--tiny") + 1] if "--tiny" in g["base"] else "dense"
-    return default_model(os.path.join(REPO, ".cache"), task=task if task in ("addition", "sort", "guess") else "addition", arch=arch)
+    return default_model(os.path.join(REPO, ".cache"), task=task if task in DEFAULT_WARMUP else "addition", arch=arch)
 
 
-def run_all(g, root, todo, jobs):
-    """Launch the unfinished runs of todo, `jobs` at a time; returns {run key: log tail} of the failed ones."""
+def run_all(g, root, todo, jobs, stored=()):
+    """Launch the unfinished runs of todo, `jobs` at a time; returns {run key: log tail} of the failed ones. A run is
+    finished when its folder says so, or when it is in `stored` ((task, arm, seed) finished on another machine: its
+    folder is gone, its metrics are in the committed compact file)."""
     pending, running, failed, done = [], {}, {}, 0
     for job in todo:
         key = "{}/{}/seed{}".format(*job)
         if finished(f"{root}/{key}", steps_of(g, job[0])):
             print(f"skip {key} (finished)", flush=True)
+        elif job in stored:
+            print(f"skip {key} (finished: in the compact metrics file)", flush=True)
         else:
             pending.append(job)
     total = len(pending)
@@ -627,13 +631,8 @@ def main():
             stored = [r for r in stored if r not in other]
             save_compact(compact, meta, stored)
             print(f"set aside {len(other)} stored run(s) into {aside}", flush=True)
-        # A run finished on another machine (its folder is gone, its metrics are in the committed compact file) is not rerun.
-        if skip := [j for j in todo if not finished("{}/{}/{}/seed{}".format(root, *j), steps_of(g, j[0]))
-                    and any((r["task"], r["arm"], r["seed"], r["steps"]) == (*j, steps_of(g, j[0])) for r in stored)]:
-            print("\n".join("skip {}/{}/seed{} (finished: in the compact metrics file)".format(*j) for j in skip), flush=True)
-            todo = [j for j in todo if j not in skip]
         try:
-            failed = run_all(g, root, todo, args.jobs)
+            failed = run_all(g, root, todo, args.jobs, {(r["task"], r["arm"], r["seed"]) for r in stored if r["steps"] == steps_of(g, r["task"])})
         except KeyboardInterrupt:  # the runs this process started were stopped (they resume next time); report the finished ones
             print("interrupted: writing the report of the finished runs", flush=True)
             failed = {}
