@@ -155,3 +155,10 @@ def test_runs_from_another_start_model_are_refused_then_set_aside(runs, tmp_path
     text = (tmp_path / "mismatch-quick" / "report.md").read_text()
     assert "4 finished runs" in out and "1 earlier run(s) that started from another build" in text
     assert len({r["start_model"] for r in lab.load_compact(str(compact))[1]}) == 1
+
+
+def test_guess_learns_300_is_judged_only_with_all_five_seeds():
+    stats = lambda n: {"guess": {"ppo": {"gain_greedy": (6.0, 2.0, n), "gain_sampled": (1.0, 1.0, n)}}}  # noqa: E731
+    assert "not evaluated" in lab.VERDICTS["guess-learns-300"](stats(4))[0]
+    assert "RL LEARNS" in lab.VERDICTS["guess-learns-300"](stats(5))[0]
+    assert "RL LEARNS" in lab.VERDICTS["guess-learns-rep"](stats(2))[0]  # the earlier grids keep their 2-seed floor
