@@ -33,6 +33,9 @@ CHUNK_ROWS = 1024
 # Logits computed at once by head_logprobs (positions x vocabulary): 2**25 float32 = 128 MiB, 220 positions of Qwen's
 # 151,936-token vocabulary, so a step's logits memory stays flat in both prompt and response length.
 HEAD_CHUNK_ELEMENTS = 2**25
+# A per-token KL estimate is capped at +-10, as verl (kl_penalty) and OpenRLHF (compute_approx_kl) do: with the
+# log-ratio alone clamped at +-20, one token could put exp(20) ~ 4.85e8 into the k3 loss, and a gradient as large.
+KL_ESTIMATE_CAP = 10.0
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -261,17 +264,19 @@ def grpo_advantages(scores: Tensor, group_size: int, norm_std: bool = True, eps:
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman 2020).
 
-    log r = ref_logp - logp; k1 = -log r; k2 = (log r)^2 / 2; k3 = r - 1 - log r (unbiased, >= 0).
-    Returns [B, T] (same dtype as the inputs); aggregate it with ``aggregate``.
+    log r = ref_logp - logp (clamped at +-LOG_RATIO_CLAMP before exp); k1 = -log r; k3 = r - 1 - log r
+    (unbiased, >= 0). The estimate is capped at +-KL_ESTIMATE_CAP (10, verl's and OpenRLHF's cap): a token past
+    the cap adds exactly the cap to the loss and gets zero gradient. Returns [B, T] (same dtype as the inputs);
+    aggregate it with ``aggregate``.
     """
     log_r = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if kind == "k1":
-        return -log_r
-    if kind == "k2":
-        return 0.5 * log_r**2
-    if kind == "k3":
-        return torch.exp(log_r) - 1 - log_r
-    raise ValueError(f"kl_estimate: unknown kind {kind!r}, expected 'k1', 'k2' or 'k3'")
+        est = -log_r
+    elif kind == "k3":
+        est = torch.exp(log_r) - 1 - log_r
+    else:
+        raise ValueError(f"kl_estimate: unknown kind {kind!r}, expected 'k1' or 'k3'")
+    return est.clamp(-KL_ESTIMATE_CAP, KL_ESTIMATE_CAP)
 
 
 # ----------------------------------------------------------------------------- mismatch corrections

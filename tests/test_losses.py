@@ -199,10 +199,22 @@ def test_kl_estimators_hand():
     logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])  # log r = -log 2
     lr = -math.log(2)
     assert L.kl_estimate(logp, ref, "k1").item() == pytest.approx(-lr)
-    assert L.kl_estimate(logp, ref, "k2").item() == pytest.approx(lr**2 / 2)
     assert L.kl_estimate(logp, ref, "k3").item() == pytest.approx(0.5 - 1 - lr)
-    with pytest.raises(ValueError, match="k4"):
-        L.kl_estimate(logp, ref, "k4")
+    with pytest.raises(ValueError, match="k2"):
+        L.kl_estimate(logp, ref, "k2")  # no flag reaches k2: removed
+
+
+def test_kl_estimate_is_capped_at_10():
+    """One token far from the reference adds at most KL_ESTIMATE_CAP to the loss, with zero gradient (uncapped,
+    a log-ratio of 20 puts exp(20) - 21 ~ 4.85e8 into k3)."""
+    logp = torch.tensor([0.0, 0.0, 0.0], requires_grad=True)
+    ref = torch.tensor([20.0, -20.0, math.log(2.0)])  # k3 = e^20 - 21, 19 + e^-20, 2 - 1 - log 2
+    k3 = L.kl_estimate(logp, ref, "k3")
+    assert k3.tolist() == pytest.approx([10.0, 10.0, 1 - math.log(2.0)])
+    k3.sum().backward()
+    assert logp.grad[:2].tolist() == [0.0, 0.0]  # past the cap: no gradient
+    assert logp.grad[2].item() == pytest.approx(1 - 2.0)  # d/dlogp (r - 1 - log r) = 1 - r
+    assert L.kl_estimate(logp, ref, "k1").tolist() == pytest.approx([-10.0, 10.0, -math.log(2.0)])
 
 
 # ----------------------------------------------------------------------------- mismatch corrections
