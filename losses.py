@@ -387,10 +387,11 @@ def loss_denominator(mask: Tensor, agg: str, max_len: int | None = None) -> Tens
     token-mean: number of valid tokens; seq-mean-token-mean: number of sequences;
     seq-mean-token-sum-norm (Dr. GRPO): B * L_max, L_max = max_len (the generation budget) or T.
     Sum it over data-parallel ranks and pass it as ``num_tokens`` to every micro-batch's loss: the
-    micro-batch losses then add up to the full-batch loss, and their gradients to its gradient.
+    micro-batch losses then add up to the full-batch loss, and their gradients to its gradient. It may be 0 (no
+    valid token here): clamp it to at least 1 after the sum over ranks, so a rank with nothing adds nothing.
     """
     if agg == "token-mean":
-        return mask.sum().float().clamp_min(1)  # no valid token: the loss is 0, not 0/0
+        return mask.sum().float()
     if agg == "seq-mean-token-mean":
         return torch.tensor(float(mask.size(0)), device=mask.device)
     if agg == "seq-mean-token-sum-norm":
@@ -406,7 +407,7 @@ def aggregate(loss_tok: Tensor, mask: Tensor, agg: str = "token-mean", num_token
     denominator with the global one (see ``loss_denominator``); default: this batch's own.
     """
     _check(mask, loss_tok=loss_tok)
-    denom = loss_denominator(mask, agg) if num_tokens is None else num_tokens
+    denom = loss_denominator(mask, agg).clamp_min(1) if num_tokens is None else num_tokens  # no valid token: 0, not 0/0
     if agg == "seq-mean-token-mean":
         per_seq = (loss_tok * mask).sum(-1) / mask.sum(-1).clamp_min(1)
         return per_seq.sum() / denom

@@ -364,7 +364,7 @@ def test_microbatches_with_global_denominator_equal_full_batch(B, T, n_split, se
         loss.backward()
         return loss.detach(), x.grad
 
-    denom = L.loss_denominator(mask, agg)
+    denom = L.loss_denominator(mask, agg).clamp_min(1)
     full_loss, full_grad = run(slice(None), denom)
     bounds = torch.linspace(0, B, n_split + 1).long().tolist()
     parts = [run(slice(lo, hi), denom) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
@@ -438,3 +438,13 @@ def test_explained_variance_by_position_is_ev_on_each_column_slice():
         rr, vv = r[:, lo:hi][sub], v[:, lo:hi][sub]
         want = 1 - ((rr - vv) - (rr - vv).mean()).pow(2).mean() / (rr - rr.mean()).pow(2).mean()
         assert got[f"critic/ev_pos_{label}"].item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_rank_without_valid_tokens_adds_nothing_to_the_global_denominator():
+    """Summed over dp ranks, a rank whose minibatch has no valid token contributes 0 tokens, not 1: the global
+    token-mean loss is the same as if that rank held no rows."""
+    empty, full = torch.zeros(2, 4, dtype=torch.bool), torch.tensor([[True, True, False, False], [True, False, False, False]])
+    assert L.loss_denominator(empty, "token-mean").item() == 0
+    assert (L.loss_denominator(empty, "token-mean") + L.loss_denominator(full, "token-mean")).item() == 3
+    loss = torch.ones(2, 4)
+    assert L.aggregate(loss, empty).item() == 0  # alone, a batch with nothing to learn has loss 0, not 0/0
