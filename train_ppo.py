@@ -250,14 +250,15 @@ def ev_plateaued(evs: list[float]) -> bool:
 
 def make_engine(cfg: Config, path: str, device):
     if cfg.engine == "sglang":
-        from rollout import SGLangEngine
+        from sglang_engine import SGLangEngine
 
+        # --seed seeds SGLang's sampling stream (on CPU the only seed it honours; see sglang_engine's docstring).
         if device.type != "cuda":
-            return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype)
+            return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed)
         # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
         # memory is released in sleep() during training, but its reservation is sized at start).
-        return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, base_gpu_id=device.index,
-                            mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
+        return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed,
+                            base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
     return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device)
 
 

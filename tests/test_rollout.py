@@ -416,3 +416,17 @@ def test_bad_prompts(engine, prompts, sampling, match):
 def test_batch_budget_too_small(model):
     with pytest.raises(ValueError, match="max_batch_tokens"):
         EmbeddedEngine(model, max_batch_tokens=20).generate([[1, 2, 3]], Sampling(max_new_tokens=8, n=2))
+
+
+def test_seed_reaches_the_sglang_engine(monkeypatch):
+    """--seed seeds SGLang's sampling stream (random_seed), on CPU and on a GPU rank alike. Needs no sglang: the
+    engine class is replaced by a recorder."""
+    import sglang_engine
+    from train_ppo import Config, make_engine
+
+    seen = []
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda path, **kw: seen.append(kw))
+    for device in (torch.device("cpu"), torch.device("cuda", 1)):
+        make_engine(Config(engine="sglang", seed=7), "path", device)
+    assert [kw["random_seed"] for kw in seen] == [7, 7]
+    assert seen[1]["base_gpu_id"] == 1
