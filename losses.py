@@ -163,17 +163,19 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked elements (unbiased var); masked-out entries become 0.
-    Computed in float64 (squares of large values overflow float32), returned in x's dtype."""
-    dtype, x = x.dtype, x.double()
-    mean = masked_mean(x, mask)
-    n = mask.sum()
-    var = ((x - mean) ** 2 * mask).sum() / (n - 1).clamp_min(1)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return (out * mask).to(dtype)
+def whiten_stats(x: Tensor, mask: Tensor) -> Tensor:
+    """[sum x, sum x^2, count] over the masked elements, in float64 (squares of large values overflow float32): sum
+    them over data-parallel ranks, then ``whiten``, to whiten over the global batch."""
+    x = x.double()
+    return torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()])
+
+
+def whiten(x: Tensor, mask: Tensor, stats: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / sqrt(var + eps) with the mean and unbiased variance of ``whiten_stats``; masked-out entries become 0.
+    float32 out. No element: mean 0 (not NaN); one element: variance over 1, not 0."""
+    mean = stats[0] / stats[2].clamp_min(1)
+    var = (stats[1] - stats[2] * mean**2) / (stats[2] - 1).clamp_min(1)
+    return ((x.double() - mean) * torch.rsqrt(var + eps)).float() * mask
 
 
 # ----------------------------------------------------------------------------- advantages

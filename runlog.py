@@ -17,6 +17,7 @@ newest checkpoint (a full disk, a copy cut short) falls back to the one before, 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -25,12 +26,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import zipfile
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
+from tqdm import tqdm
 
 from moe import checkpoint_tensors
 from parallel import full_weights
@@ -48,6 +51,65 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+class Metrics:
+    """One step's metrics, reduced over repeats and ranks once, into float32 figures.
+
+    add(d): values repeated over micro-batches, minibatches or phases; reduce() gives their mean over repeats and
+    ranks (TP peers hold equal values), or the max / min for keys ending in _max / _min.
+    add_ratio(key, total, count): a ratio of sums; reduce() gives sum(total) / sum(count) over every call and rank
+    (NaN where the count is 0), so it weighs each token or sample alike however they fall into calls and ranks.
+    A rank may add ratio keys the others lack (a reward's extra keys): the key sets are merged first.
+    """
+
+    def __init__(self):
+        self.values: dict[str, list[torch.Tensor]] = {}
+        self.ratios: dict[str, list[float]] = {}
+
+    def add(self, new: dict) -> None:
+        for k, v in new.items():
+            self.values.setdefault(k, []).append(torch.as_tensor(v).detach().float().cpu().reshape(()))
+
+    def add_ratio(self, key: str, total, count) -> None:
+        acc = self.ratios.setdefault(key, [0.0, 0.0])
+        acc[0] += float(total)
+        acc[1] += float(count)
+
+    def reduce(self) -> dict[str, float]:
+        """Collective: every rank calls it, with the same add() keys."""
+        keys = sorted(self.values)
+        pick = lambda k, v: v.max() if k.endswith("_max") else v.min() if k.endswith("_min") else v.mean()  # noqa: E731
+        vals = torch.stack([pick(k, torch.stack(self.values[k])) for k in keys]) if keys else torch.zeros(0)
+        ratio_keys = sorted(self.ratios)
+        if dist.is_initialized():
+            mx, mn = vals.clone(), vals.clone()
+            for t, op in ((vals, dist.ReduceOp.SUM), (mx, dist.ReduceOp.MAX), (mn, dist.ReduceOp.MIN)):
+                dist.all_reduce(t, op=op)
+            vals = vals / dist.get_world_size()
+            vals = torch.where(torch.tensor([k.endswith("_max") for k in keys], dtype=torch.bool), mx, vals)
+            vals = torch.where(torch.tensor([k.endswith("_min") for k in keys], dtype=torch.bool), mn, vals)
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, ratio_keys)
+            ratio_keys = sorted({k for p in parts for k in p})
+        sums = torch.tensor([self.ratios.get(k, [0.0, 0.0]) for k in ratio_keys], dtype=torch.float64).reshape(-1, 2)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        # A ratio is a float32 figure like every other metric (its sums are float64: counts of many tokens).
+        ratios = [float(torch.tensor(t / c if c else float("nan"), dtype=torch.float32)) for t, c in sums.tolist()]
+        return {**dict(zip(keys, vals.tolist())), **dict(zip(ratio_keys, ratios))}
+
+
+@contextlib.contextmanager
+def timed(m: Metrics, name: str):
+    """The phase's seconds as time/<name>; on CUDA also its peak allocated GiB as mem/<name>_gib_max."""
+    if cuda := torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    yield
+    m.add({f"time/{name}": time.perf_counter() - start})
+    if cuda:
+        m.add({f"mem/{name}_gib_max": torch.cuda.max_memory_allocated() / 2**30})
+
+
 class RunLog:
     """Rank 0 writes; other ranks' calls are no-ops. ``history`` holds every logged row (for the plots)."""
 
@@ -55,7 +117,7 @@ class RunLog:
                  changes: dict | None = None):
         """changes: the options a resume changed, {name: [old, new]}; config.json keeps a list of them ("resumes")."""
         self.dir, self.rank, self.history = out_dir, rank, []
-        self.writers, self.wandb = [], wandb
+        self.writers, self.wandb, self.bar = [], wandb, None
         if rank != 0:
             return
         os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
@@ -90,6 +152,19 @@ class RunLog:
             f.write(json.dumps(row) + "\n")
         for write in self.writers:
             write(row)
+
+    def start_progress(self, total: int, initial: int) -> None:
+        """A progress bar over the steps (rank 0)."""
+        self.bar = tqdm(total=total, initial=initial, disable=self.rank != 0, dynamic_ncols=True)
+
+    def progress(self, row: dict) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{row['rollout/reward_mean']:.2f}", acc=f"{row.get('eval/greedy_acc', float('nan')):.2f}",
+                             masked=f"{row['mismatch/masked_frac']:.2%}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
     def samples(self, step: int, records: list[dict]) -> None:
         """One evaluation's completions: <out-dir>/samples/step_<step:06d>.jsonl, a JSON object per completion

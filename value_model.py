@@ -13,6 +13,8 @@ that has a token-classification class (Llama, Qwen2, Qwen3, Mistral, ...).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 from transformers import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoConfig, AutoModelForTokenClassification, PreTrainedModel
@@ -30,15 +32,11 @@ def _critic_config(config):
     return config
 
 
-def build_critic(
-    policy: str | PreTrainedModel, *, head_std: float = 0.02, freeze_attention: bool = False, dtype: torch.dtype | None = None
-) -> PreTrainedModel:
+def build_critic(policy: str | PreTrainedModel, *, head_std: float = 0.02, dtype: torch.dtype | None = None) -> PreTrainedModel:
     """Critic initialised from a policy checkpoint folder or an (unsharded) policy model.
 
     The backbone weights are copied from the policy; the head is re-drawn from N(0, head_std) with a zero
     bias (slime's init; head_std 0.02 is the usual initializer_range), so the first values are near 0.
-    freeze_attention: SAO's frozen-attention critic - every self-attention weight keeps requires_grad=False
-    (the MLPs, norms, embeddings and head still train).
     """
     if isinstance(policy, str):
         config = _critic_config(AutoConfig.from_pretrained(policy))
@@ -51,11 +49,38 @@ def build_critic(
         nn.init.normal_(critic.score.weight, std=head_std)
         if critic.score.bias is not None:
             critic.score.bias.zero_()
-    if freeze_attention:
-        for name, p in critic.named_parameters():
-            if ".self_attn." in name:
-                p.requires_grad_(False)
     return critic
+
+
+def freeze_attention(critic: PreTrainedModel) -> None:
+    """SAO's frozen-attention critic: every self-attention weight gets requires_grad=False (the MLPs, norms, embeddings
+    and head still train)."""
+    for name, p in critic.named_parameters():
+        p.requires_grad_(".self_attn." not in name)
+
+
+@torch.no_grad()
+def set_head_to_mean(critic: PreTrainedModel, total: Tensor, count: Tensor) -> None:
+    """A fresh head starts as the constant total / count (the mean reward of the first batch): explained variance 0, not
+    the negative EV of a random head's noise (N(0, 0.02) rows give values of std ~0.2 on the tiny model)."""
+    critic.score.weight.zero_()
+    critic.score.bias.fill_((total / count.clamp_min(1)).item())
+
+
+# Critic pretraining stops once the mean explained variance of the last PLATEAU_WINDOW steps is less than
+# PLATEAU_MIN_GAIN above that of the window before (windows smooth the per-batch noise of 64-row EVs).
+PLATEAU_WINDOW, PLATEAU_MIN_GAIN = 10, 0.01
+
+
+def finite_mean(xs: list[float]) -> float:
+    xs = [x for x in xs if math.isfinite(x)]  # EV is NaN on a batch whose returns are all equal
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def ev_plateaued(evs: list[float]) -> bool:
+    """The plateau rule of critic pretraining, on the per-step explained variances so far."""
+    W = PLATEAU_WINDOW
+    return len(evs) >= 2 * W and not finite_mean(evs[-W:]) >= finite_mean(evs[-2 * W : -W]) + PLATEAU_MIN_GAIN
 
 
 def load_critic(path: str, dtype: torch.dtype | None = None) -> PreTrainedModel:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, CodeGenConfig, LlamaConfig, LlamaForCausalLM
 
-from value_model import build_critic, critic_values, load_critic
+from value_model import build_critic, critic_values, freeze_attention, load_critic
 
 CFG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=64)
@@ -43,7 +43,8 @@ def test_values_shape_match_manual_head_and_roundtrip(policy_dir, tmp_path):
 
 
 def test_freeze_attention(policy_dir):
-    critic = build_critic(policy_dir, freeze_attention=True)
+    critic = build_critic(policy_dir)
+    freeze_attention(critic)
     frozen = {n for n, p in critic.named_parameters() if not p.requires_grad}
     assert frozen and all(".self_attn." in n for n in frozen)
     assert {n for n in dict(critic.named_parameters()) if ".self_attn." in n} == frozen
