@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-import torch
 import torch.distributed as dist
 
 from config import Config
 from data.rewards import majority_correct, pass_at_k
 from data.tasks import Scores, encode_prompt, reward_columns, score
-from parallel import all_reduce
 from rollout import Sampling
+from runlog import Metrics
 
 
 def rollouts(engine, tok, rows, s: Sampling, play):
@@ -44,8 +43,9 @@ def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, d
     """
     n = cfg.eval_samples
     ks = [2**i for i in range(n.bit_length()) if 2**i <= n] if n > 1 else []
-    counts = torch.zeros(4 + 2 * len(ks), dtype=torch.float64)  # greedy, sampled, problems, has pred, pass@k..., maj@k...
-    records = []
+    m, records = Metrics(), []
+    m.add_ratio("eval/greedy_acc", 0, 0)  # every rank holds the keys (no problem anywhere: NaN)
+    m.add_ratio("eval/sampled_acc", 0, 0)
     if engine is not None:
         size = min(cfg.eval_size, len(task.test))
         lo, hi = size * dp_rank // dp, size * (dp_rank + 1) // dp  # contiguous shards: row seeds as in one process
@@ -53,28 +53,25 @@ def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, d
         prompts, answers = test["prompt"], test["answer"]
         greedy = Sampling(**{**asdict(sampling), "top_k": 1, "n": 1})
         sampled = Sampling(**{**asdict(sampling), "n": n, "seed": cfg.seed + 7 + lo * n})  # row r has seed + r
-        for k, (kind, s, m) in enumerate((("greedy", greedy, 1), ("sampled", sampled, n)) if len(test) else ()):
-            texts, sc = scored(task, tok, test, m, rollouts(engine, tok, test, s, play), play)
+        for kind, s, k in (("greedy", greedy, 1), ("sampled", sampled, n)) if len(test) else ():
+            texts, sc = scored(task, tok, test, k, rollouts(engine, tok, test, s, play), play)
             r = sc.rewards * sc.rewarded  # None counts as 0
-            counts[k] = r.sum()
-            records += [{**sc.extras[i], "kind": kind, "problem": lo + i // m, "sample": i % m, "prompt": prompts[i // m],
-                         "answer": answers[i // m], "completion": t, "reward": sc.rewards[i].item() if sc.rewarded[i] else None}
+            m.add_ratio(f"eval/{kind}_acc", r.sum(), len(r))
+            records += [{**sc.extras[i], "kind": kind, "problem": lo + i // k, "sample": i % k, "prompt": prompts[i // k],
+                         "answer": answers[i // k], "completion": t, "reward": sc.rewards[i].item() if sc.rewarded[i] else None}
                         for i, t in enumerate(texts)]  # the reward's extra keys first: a key named like ours is overwritten
             if kind == "sampled" and ks:
                 R = r.view(-1, n).tolist()
                 preds = [e.get("pred") for e in sc.extras]
-                counts[3] = float(any("pred" in e for e in sc.extras))
-                for j, kk in enumerate(ks):
-                    counts[4 + j] = sum(pass_at_k(n, sum(x > 0 for x in row), kk) for row in R)
-                    counts[4 + len(ks) + j] = sum(majority_correct(preds[p * n : (p + 1) * n], R[p], kk) for p in range(len(R)))
-        counts[2] = len(test)
-    all_reduce(counts)
-    out = {"eval/greedy_acc": (counts[0] / counts[2]).item(), "eval/sampled_acc": (counts[1] / (counts[2] * n)).item()}
+                m.add_ratio("eval/has_pred", any("pred" in e for e in sc.extras), 1)
+                for kk in ks:
+                    m.add_ratio(f"eval/pass@{kk}", sum(pass_at_k(n, sum(x > 0 for x in row), kk) for row in R), len(R))
+                    m.add_ratio(f"eval/maj@{kk}", sum(majority_correct(preds[p * n : (p + 1) * n], R[p], kk) for p in range(len(R))), len(R))
+    out = m.reduce()
     if ks:
         out[f"eval/mean@{n}"] = out["eval/sampled_acc"]
-        out.update({f"eval/pass@{k}": (counts[4 + j] / counts[2]).item() for j, k in enumerate(ks)})
-        if counts[3] > 0:
-            out.update({f"eval/maj@{k}": (counts[4 + len(ks) + j] / counts[2]).item() for j, k in enumerate(ks)})
+        if not out.pop("eval/has_pred", 0) > 0:  # maj@k only when the reward returns "pred"
+            out = {k: v for k, v in out.items() if not k.startswith("eval/maj@")}
     if dist.is_initialized():
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(records, parts, dst=0)

@@ -24,7 +24,6 @@ The order sleep -> train -> wake -> sync is written once: rollout_phase sleeps t
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import resource
@@ -45,10 +44,11 @@ from config import Config, check_model, check_resume, resolve
 from data.rewards import load_reward
 from data.tasks import get_task
 from evaluation import evaluate, rollouts, scored
+from forward import check_head, micro, minibatches, response_logprobs, response_values
 from parallel import Runtime, all_reduce, all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
 from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch
 from runlog import Metrics, RunLog, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint, timed
-from value_model import (PLATEAU_WINDOW, build_critic, critic_values, ev_plateaued, finite_mean, freeze_attention, load_critic,
+from value_model import (PLATEAU_WINDOW, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic,
                          set_head_to_mean)
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -431,11 +431,11 @@ def recompute(run: Run, models: Models, batch: Batch, m: Metrics) -> Old:
     chunks = micro(torch.arange(len(batch.tokens)), run.cfg, run.group)
     logp = []
     for r in chunks:
-        logp.append(response_logprobs(models.policy, batch, r, run.cfg)[0])
+        logp.append(response_logprobs(models.policy, batch.tb, batch.tokens, r, run.cfg)[0])
         if batch.tb.routing is not None:  # MoE: how often the trainer's routers pick other experts than the engine's
             m.add(moe.batch_flips(models.policy, batch.tb, r, batch.gen_mask))
-    ref_logp = torch.cat([response_logprobs(models.ref, batch, r, run.cfg)[0] for r in chunks]) if models.ref is not None else None
-    values = torch.cat([response_values(models.critic, batch, r, run.cfg) for r in chunks]) if models.critic is not None else None
+    ref_logp = torch.cat([response_logprobs(models.ref, batch.tb, batch.tokens, r, run.cfg)[0] for r in chunks]) if models.ref is not None else None
+    values = torch.cat([response_values(models.critic, batch.tb, r, run.cfg) for r in chunks]) if models.critic is not None else None
     return Old(torch.cat(logp), ref_logp, values)
 
 
@@ -481,7 +481,7 @@ def update_critic(run: Run, models: Models, batch: Batch, old: Old, returns, ind
         for mb in minibatches(len(batch.tokens), cfg, index, 1000 + k, run.group):
             denom = denominator(mask[mb], batch.keep_rows[mb], cfg, batch.max_len, run.dp_group)
             for r in micro(mb, cfg, run.group):
-                loss, vm = losses.value_loss(response_values(models.critic, batch, r, cfg), old.values[r], returns[r], mask[r], clip=clip,
+                loss, vm = losses.value_loss(response_values(models.critic, batch.tb, r, cfg), old.values[r], returns[r], mask[r], clip=clip,
                                              scale=cfg.value_scale, agg=cfg.agg, num_tokens=denom)
                 loss.backward()
                 m.add(vm)
@@ -500,7 +500,7 @@ def update_policy(run: Run, models: Models, batch: Batch, old: Old, adv, is_w, l
         for mb in minibatches(len(batch.tokens), cfg, index, epoch, run.group):
             denom = denominator(loss_mask[mb], batch.keep_rows[mb], cfg, batch.max_len, run.dp_group)
             for r in micro(mb, cfg, run.group):
-                logp, ent = response_logprobs(models.policy, batch, r, cfg, entropy=True)
+                logp, ent = response_logprobs(models.policy, batch.tb, batch.tokens, r, cfg, entropy=True)
                 if cfg.correction == "dis":
                     loss, pm = losses.dis_policy_loss(logp, batch.infer_logp[r], adv[r], loss_mask[r], eps_low=cfg.clip_low,
                                                       eps_high=cfg.clip_high, agg=cfg.agg, num_tokens=denom)
@@ -550,93 +550,13 @@ def step_metrics(run: Run, batch: Batch, m: Metrics, seconds: float) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- the trainer's forward, optimiser steps, batching
+# ----------------------------------------------------------------------------- denominators and optimiser steps
 
 
 def denominator(loss_mask: torch.Tensor, keep_rows: torch.Tensor, cfg: Config, max_len: int, group) -> torch.Tensor:
     """losses.loss_denominator of a minibatch over its kept (rewarded) rows only, so a row without a reward leaves
     N_seq as well as N_tok; summed over dp ranks, at least 1 (a minibatch with nothing to learn has loss 0)."""
     return all_reduce(losses.loss_denominator(loss_mask[keep_rows], cfg.agg, max_len), group).clamp_min(1)
-
-
-def minibatches(rows: int, cfg: Config, index: int, epoch: int, n: int = 1) -> list[torch.Tensor]:
-    """Shuffled row indices per minibatch, whole groups of n consecutive rows kept together (shared prefixes); the
-    same on TP peers (same seed), which see the same rows."""
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index * 101 + epoch)
-    parts = torch.randperm(rows // n, generator=g).tensor_split(cfg.minibatches)  # always cfg.minibatches parts: a rank
-    # with fewer rows (compaction) still joins every minibatch's collectives, with an empty part if need be
-    return [(p[:, None] * n + torch.arange(n)).reshape(-1) for p in parts]
-
-
-def micro(idx: torch.Tensor, cfg: Config, n: int = 1) -> list[torch.Tensor]:
-    return list(idx.split(max(n, cfg.micro_batch // n * n)))  # whole groups
-
-
-class HeadStandIn(torch.nn.Module):
-    """Takes the LM head's place for one forward (``fn`` gets the kept hidden states [b, T, H] and returns what the
-    forward returns as its logits), so the work stays inside the model's own forward, where FSDP gathers the weights."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, h):
-        return self.fn(h)
-
-
-@contextlib.contextmanager
-def head_replaced(model, fn):
-    head = model.get_output_embeddings()
-    model.set_output_embeddings(HeadStandIn(fn))
-    try:
-        yield head
-    finally:
-        model.set_output_embeddings(head)  # the same module (and a tied weight's Parameter) as before
-
-
-def sequences(b: TrainBatch, rows):
-    """The forward's inputs for rows (whole groups, in order, when the batch shares prefixes: TrainBatch.shared)."""
-    n = b.group
-    if n > 1 and (len(rows) % n or (rows[::n] % n).any() or not torch.equal(rows, (rows[::n, None] + torch.arange(n)).reshape(-1))):
-        raise ValueError(f"rows {rows.tolist()} are not whole groups of {n}")
-    sel = rows[::n] // n
-    return {"input_ids": b.input_ids[sel], "attention_mask": b.attention_mask[sel], "position_ids": b.position_ids[sel]}
-
-
-def response_logprobs(model, batch: Batch, rows, cfg: Config, entropy: bool = False):
-    """(log-probs [b, T], entropy [b, T] or None) of the response tokens of rows. The forward keeps only the columns that
-    predict response tokens (TrainBatch.keep, logits_to_keep), and the LM head runs on them chunk by chunk
-    (losses.head_logprobs): no [b, L, V] or [b, T, V] logits exist. Under --train-dtype bf16 the forward runs in bf16
-    autocast over fp32 weights. --routing-replay: an MoE forward uses the engine's experts (TrainBatch.routing)."""
-    b, tokens, out = batch.tb, batch.tokens, {}
-
-    def logprobs(h):  # [sequences, len(keep), H] -> one row per response
-        out["logp"], out["entropy"] = losses.head_logprobs(head, h.reshape(len(rows), tokens.size(1), h.size(-1)), tokens[rows], cfg.temperature,
-                                                           top_k=cfg.top_k, top_p=cfg.top_p, entropy=entropy)
-        return out["logp"]
-    replay = moe.batch_routes(b, rows) if cfg.routing_replay else None
-    with (head_replaced(model, logprobs) as head, moe.routing(model, replay),
-          torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16")):
-        model(**sequences(b, rows), logits_to_keep=b.keep)
-    return out["logp"], out["entropy"]
-
-
-def response_values(critic, batch: Batch, rows, cfg: Config):
-    """Values [b, T] float32: V of the state before each response token (the columns of response_logprobs)."""
-    b = batch.tb
-    with torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16"):
-        return critic_values(critic, **sequences(b, rows))[:, b.keep].reshape(len(rows), -1)
-
-
-def check_head(model) -> None:
-    """response_logprobs replaces the LM head's output: refuse a model whose forward changes what the head returns
-    (a logit softcap or scale would be silently dropped)."""
-    sentinel = torch.zeros(1, 1, 1, device=model.device)
-    with torch.no_grad(), head_replaced(model, lambda h: sentinel):
-        returned = model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=model.device)).logits
-    if returned is not sentinel:
-        raise ValueError(f"--model: {type(model).__name__}'s forward post-processes the LM head's output (a logit softcap or "
-                         "scale?), which the trainer's response-only log-probs would drop")
 
 
 def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, bool, bool]:
