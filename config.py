@@ -46,7 +46,7 @@ class Config:
     """The column of --task (and --eval-task) that holds the reference answer."""
     env: str = ""
     """Multi-turn: your environment class, 'path/to/file.py:Class' or 'package.module:Class' (reset(row) -> first user
-    message, step(text) -> (observation or None, reward, done); README, "Multi-turn rollouts"), played on the rows of
+    message, step(text) -> (observation or None, reward, done); docs/multiturn.md), played on the rows of
     --task. '' = none (--task guess is multi-turn on its own)."""
     max_turns: int = 0
     """Multi-turn: turns per episode; 0 = the task's (guess: 6) or 8 with --env."""
@@ -55,7 +55,7 @@ class Config:
     and the episode goes on in a new row from the task plus the summary; 0 = off."""
     reward: str = ""
     """Reward: '' = the task's default (exact match), 'exact', 'math' (final answer checked by math-verify),
-    'path/to/file.py:function' or 'package.module:function' (README, "Bring your own reward, data and evaluation")."""
+    'path/to/file.py:function' or 'package.module:function' (docs/byo.md)."""
     out_dir: str = "outputs/run"
     """Run folder: config.json, metrics.jsonl, plots/, checkpoints/. An existing run there is resumed."""
     steps: int = 100
@@ -244,7 +244,7 @@ def resolve(cfg: Config, world_size: int) -> dict:
         try:
             import sglang  # noqa: F401
         except ImportError as e:
-            errors.append(f"--engine sglang needs SGLang installed (see README, 'SGLang'): {e}")
+            errors.append(f"--engine sglang needs SGLang installed (see docs/engines.md): {e}")
     for flag in ("split", "prompt_key", "answer_key", "eval_split"):
         if not getattr(cfg, flag).strip():
             errors.append(f"--{flag.replace('_', '-')} must not be empty")
