@@ -316,10 +316,8 @@ def icepop_weights(
         return k * keep, _band_metrics(k, mask, alpha, beta, "icepop")
 
 
-def tis_weights(
-    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, cap: float = 2.0, cap_low: float | None = None
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Truncated importance sampling (Yao et al. 2025): weight min(k, cap), or clamp(k, cap_low, cap).
+def tis_weights(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, cap: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance sampling (Yao et al. 2025): weight min(k, cap).
 
     k = pi_old / pi_infer. Returns (weights [B, T] float32 detached, 0 on padding; metrics tis/clip_frac,
     tis/weight_mean).
@@ -327,8 +325,8 @@ def tis_weights(
     _check(mask, old_logp=old_logp, infer_logp=infer_logp)
     with torch.no_grad():
         k = _train_infer_ratio(old_logp, infer_logp)
-        w = k.clamp(min=cap_low, max=cap) * mask
-        clipped = ((k > cap) | ((k < cap_low) if cap_low is not None else torch.zeros_like(mask))) & mask
+        w = k.clamp(max=cap) * mask
+        clipped = (k > cap) & mask
         return w, {"tis/clip_frac": _mean0(clipped.float(), mask), "tis/weight_mean": _mean0(w, mask)}
 
 
