@@ -34,6 +34,7 @@ from torch import Tensor
 
 import losses
 import moe
+from parallel import full_weights
 from quant import fake_quant
 
 
@@ -202,15 +203,6 @@ class Engine(Protocol):
 
     def shutdown(self) -> None:
         """Release everything; the engine cannot be used afterwards."""
-
-
-def __getattr__(name: str):
-    """`from rollout import SGLangEngine` without importing sglang here (sglang_engine.py imports it lazily)."""
-    if name == "SGLangEngine":
-        from sglang_engine import SGLangEngine
-
-        return SGLangEngine
-    raise AttributeError(f"module 'rollout' has no attribute {name!r}")
 
 
 # Compute dtype per engine dtype; fp8 and int4 are bf16 compute over fake-quantised decoder Linear weights.
@@ -631,3 +623,35 @@ class EmbeddedEngine:
             dec = torch.cat(steps + [torch.full_like(pre[:, :1], -1)], 1).masked_fill(~mask[:, :, None, None], -1)
             routing = torch.cat([pre, dec], 1).cpu()
         return tokens[:, :T].masked_fill(~mask, 0).cpu(), logp[:, :T].masked_fill(~mask, 0.0).cpu(), mask.cpu(), finish, routing
+
+
+# ----------------------------------------------------------------------------- the trainer's side: engine and weight sync
+
+# Share of each GPU that SGLang reserves for weights + KV cache when colocated with the trainer.
+SGLANG_GPU_MEM_FRACTION = 0.4
+
+
+def make_engine(cfg, path: str, device: torch.device) -> Engine:
+    """The rollout engine of a run (cfg: the run's config.Config; its engine, engine_dtype, kv_cache_dtype, seed)."""
+    if cfg.engine == "sglang":
+        from sglang_engine import SGLangEngine  # sglang_engine imports this module, and SGLang is optional
+
+        # --seed seeds SGLang's sampling stream (on CPU the only seed it honours; see sglang_engine's docstring).
+        if device.type != "cuda":
+            return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed)
+        # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
+        # memory is released in sleep() during training, but its reservation is sized at start).
+        return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed,
+                            base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
+    return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device)
+
+
+def push_weights(policy, engine: Engine | None) -> None:
+    """One stream of (hf_name, full tensor), gathered bucket by bucket; the engine re-buckets and flushes its cache
+    once at the end. TP peers without an engine (None) still run the all-gathers."""
+    weights = (pair for bucket in full_weights(policy) for pair in bucket)
+    if engine is not None:
+        engine.update_weights(weights)
+    else:
+        for _ in weights:
+            pass

@@ -43,14 +43,12 @@ from agent import DEFAULT_MAX_TURNS, episode_metrics, load_env, run_episodes
 from data.rewards import load_reward
 from data.tasks import get_task
 from evaluation import evaluate, rollouts, scored
-from parallel import all_reduce, all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
-from rollout import EmbeddedEngine, Sampling
+from parallel import all_reduce, all_reduce_grads, clip_grad_norm_, init_runtime, make_mesh, parallelize, print0
+from rollout import EmbeddedEngine, Sampling, make_engine, push_weights
 from runlog import RunLog, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint
 from value_model import build_critic, critic_values, load_critic
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-# Share of each GPU that SGLang reserves for weights + KV cache when colocated with the trainer.
-SGLANG_GPU_MEM_FRACTION = 0.4
 
 
 @contextlib.contextmanager
@@ -246,31 +244,6 @@ def ev_plateaued(evs: list[float]) -> bool:
     """The plateau rule of critic pretraining, on the per-step explained variances so far."""
     W = PLATEAU_WINDOW
     return len(evs) >= 2 * W and not _finite_mean(evs[-W:]) >= _finite_mean(evs[-2 * W : -W]) + PLATEAU_MIN_GAIN
-
-
-def make_engine(cfg: Config, path: str, device):
-    if cfg.engine == "sglang":
-        from sglang_engine import SGLangEngine
-
-        # --seed seeds SGLang's sampling stream (on CPU the only seed it honours; see sglang_engine's docstring).
-        if device.type != "cuda":
-            return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed)
-        # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
-        # memory is released in sleep() during training, but its reservation is sized at start).
-        return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed,
-                            base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
-    return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device)
-
-
-def push_weights(policy, engine) -> None:
-    """One stream of (hf_name, full tensor), gathered bucket by bucket; the engine re-buckets and flushes its cache
-    once at the end. TP peers without an engine (None) still run the all-gathers."""
-    weights = (pair for bucket in full_weights(policy) for pair in bucket)
-    if engine is not None:
-        engine.update_weights(weights)
-    else:
-        for _ in weights:
-            pass
 
 
 # ----------------------------------------------------------------------------- the loop

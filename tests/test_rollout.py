@@ -422,7 +422,8 @@ def test_seed_reaches_the_sglang_engine(monkeypatch):
     """--seed seeds SGLang's sampling stream (random_seed), on CPU and on a GPU rank alike. Needs no sglang: the
     engine class is replaced by a recorder."""
     import sglang_engine
-    from train_ppo import Config, make_engine
+    from config import Config
+    from rollout import make_engine
 
     seen = []
     monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda path, **kw: seen.append(kw))
