@@ -28,6 +28,7 @@ import datasets
 import pyarrow.parquet
 import torch
 
+from data.guess import MAX_TURNS, GuessEnv, guess_rows
 from data.rewards import exact, exact_match_reward  # noqa: F401  (exact_match_reward: re-exported)
 
 
@@ -464,11 +465,10 @@ def score(task: Task, completions: list[str], columns: dict[str, list]) -> Score
     return Scores(torch.tensor([0.0 if v is None else v for v in values]), rewarded, extras)
 
 
-def guess_task(**kwargs) -> Task:
-    """The multi-turn guessing task (data/guess.py, which imports this module)."""
-    from data.guess import guess_task
-
-    return guess_task(**kwargs)
+def guess_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ranges: float = 0.15) -> Task:
+    """The multi-turn guessing task: data/guess.py's rows (test ranges disjoint from the train ranges) and environment."""
+    train, test = guess_rows(seed, n_train, n_test, test_ranges)
+    return Task("guess", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=8, env=GuessEnv, max_turns=MAX_TURNS)
 
 
 TASKS = {"addition": addition_task, "sort": sort_task, "guess": guess_task}
