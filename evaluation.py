@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from config import Config
-from data.rewards import majority_correct, pass_at_k
-from data.tasks import Scores, encode_prompt, reward_columns, score
+from data.rewards import Scores, majority_correct, pass_at_k, reward_columns, score
+from data.tasks import encode_prompt
 from parallel import all_reduce
 from rollout import Sampling
 
