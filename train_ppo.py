@@ -38,14 +38,14 @@ from transformers import AutoModelForCausalLM
 
 import losses as L
 import moe
-from config import RESUMABLE, Config, check_model, check_resume, resolve  # noqa: F401  (RESUMABLE: re-exported)
+from config import Config, check_model, resolve
 from agent import DEFAULT_MAX_TURNS, episode_metrics, load_env, run_episodes
 from data.rewards import load_reward
 from data.tasks import get_task
 from evaluation import evaluate, rollouts, scored
 from parallel import all_reduce, all_reduce_grads, clip_grad_norm_, init_runtime, make_mesh, parallelize, print0
 from rollout import EmbeddedEngine, Sampling, make_engine, push_weights
-from runlog import RunLog, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint
+from runlog import RunLog, check_resume, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint
 from value_model import build_critic, critic_values, load_critic
 
 REPO = os.path.dirname(os.path.abspath(__file__))
