@@ -35,7 +35,6 @@ from torch import Tensor
 import losses
 import moe
 from parallel import full_weights
-from quant import fake_quant
 
 
 @dataclass
@@ -209,6 +208,28 @@ class Engine(Protocol):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "int4": torch.bfloat16}
 # KV-cache storage: "auto" = the compute dtype, "fp8" = float8_e4m3fn with a fixed scale of 1.0.
 KV_CACHE_DTYPES = ("auto", "fp8")
+# Largest finite float8_e4m3fn value: the per-channel scale maps each row's absmax onto it.
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+INT4_GROUP_SIZE = 32  # dtype "int4": consecutive input elements per scale
+
+
+def fake_quant_fp8(w: Tensor) -> Tensor:
+    """Round a Linear weight [out, in] through float8_e4m3fn with one scale per output channel, and back."""
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_E4M3_MAX
+    return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
+
+
+def fake_quant_int4(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> Tensor:
+    """Round a Linear weight [out, in] through symmetric weight-only int4 and back (the FlashRL / GPTQ rule, in float32):
+    per group of `group_size` consecutive input elements, s = absmax / 7, w_hat = clamp(round(w / s), -8, 7) * s, so
+    |w - w_hat| <= s / 2 and the absmax element is kept (docs/algorithms.md, section 16). Returns w_hat in w's dtype."""
+    rows, cols = w.shape
+    if cols % group_size:
+        raise ValueError(f"fake_quant_int4: the input dimension {cols} of a [{rows}, {cols}] weight is not a "
+                         f"multiple of group_size={group_size}")
+    g = w.float().reshape(rows, cols // group_size, group_size)
+    s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7  # the clamp only guards all-zero groups
+    return ((g / s).round().clamp(-8, 7) * s).reshape(rows, cols).to(w.dtype)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # HF name inside a decoder layer -> (slot in the engine's per-layer store, part index). Parts of one slot
@@ -265,7 +286,7 @@ class EmbeddedEngine:
     dtype: "fp32"; "bf16" (weights and compute in bf16, log-probs in fp32 from bf16 logits); "fp8" (bf16
         compute with the decoder's Linear weights fake-quantised to float8_e4m3fn, one scale per output
         channel, as FP8 rollouts do; embeddings, lm_head and norms stay bf16, as vLLM/SGLang keep them);
-        "int4" (the same, with weight-only symmetric int4 in groups of 32 input elements: quant.fake_quant_int4,
+        "int4" (the same, with weight-only symmetric int4 in groups of 32 input elements: fake_quant_int4,
         the FlashRL / GPTQ rule; every decoder Linear's input size must be a multiple of 32). MoE experts are
         quantised like Linear weights, each expert on its own; the router stays in the compute dtype.
         An MoE engine routes like HF (softmax in fp32, top-k, optional renormalisation) and records the experts
@@ -342,9 +363,16 @@ class EmbeddedEngine:
     # ---- weights ---------------------------------------------------------------------------------
 
     def _transform(self, name: str, t: Tensor) -> Tensor:
+        """The engine's copy of a weight: fp8 / int4 round decoder Linear weights and experts (in fp32), then the cast."""
         t = t.detach().to(self.device, torch.float32)
-        if name.startswith("model.layers.") and (name.endswith("_proj.weight") or ".experts." in name):  # Linear weights, experts
-            t = fake_quant(name, t.reshape(-1, t.size(-1)), self.dtype_name).view(t.shape)
+        kind = self.dtype_name
+        if kind in ("fp8", "int4") and name.startswith("model.layers.") and (name.endswith("_proj.weight") or ".experts." in name):
+            w = t.reshape(-1, t.size(-1))  # [out, in]; an expert stack [E, out, in] as E * out rows
+            if kind == "int4" and w.size(1) % INT4_GROUP_SIZE:
+                raise NotImplementedError(f"EmbeddedEngine: dtype 'int4' quantises groups of {INT4_GROUP_SIZE} input "
+                                          f"elements; {name!r} has shape {tuple(w.shape)}, whose input size "
+                                          f"{w.size(1)} is not a multiple of {INT4_GROUP_SIZE}")
+            t = (fake_quant_fp8 if kind == "fp8" else fake_quant_int4)(w).view(t.shape)
         return t.to(self.dtype)
 
     def _bind(self) -> None:

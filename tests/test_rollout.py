@@ -8,8 +8,7 @@ import torch
 import transformers
 
 import losses
-from quant import fake_quant_int4
-from rollout import EmbeddedEngine, Rollout, Sampling
+from rollout import EmbeddedEngine, Rollout, Sampling, fake_quant_int4
 
 V = 300
 LLAMA = dict(vocab_size=V, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
