@@ -144,6 +144,21 @@ class Rollout:
     to_batch's layout (P = the longest prompt), -1 where no token was routed (padding, the last response token,
     which is never fed back). None for dense models and multi-turn rows."""
 
+    @classmethod
+    def from_ragged(cls, tokens: list, prompt_ids: list[list[int]], finish_reasons: list[str], *, infer_logp: list | None = None,
+                    model: list | None = None) -> Rollout:
+        """Per-row lists (or 1-D tensors) of response tokens and their log-probs (None: 0), right-padded to the longest
+        row. model: per row and token, True on model tokens (multi-turn rows: `mask`; every real token is `attend`);
+        None: every token is a model token."""
+        def pad(rows, dtype):
+            return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r, dtype=dtype) for r in rows], batch_first=True)
+
+        toks = pad(tokens, torch.long)
+        real = pad([torch.ones(len(t), dtype=torch.bool) for t in tokens], torch.bool)
+        logp = torch.zeros(toks.shape) if infer_logp is None else pad(infer_logp, torch.float32)
+        mask = real if model is None else pad(model, torch.bool)
+        return cls(toks, logp, mask, [list(p) for p in prompt_ids], list(finish_reasons), None if model is None else real)
+
     def to_batch(self, pad_id: int = 0) -> TrainBatch:
         """Left-padded prompt + response per row, pad_id elsewhere. Returns TrainBatch (tensors on CPU). The
         attention mask (and the positions) cover `attend`, observation tokens included."""
@@ -563,24 +578,19 @@ class EmbeddedEngine:
         # A prompt's n samples stay in one chunk: its prefill runs once and is copied to the n rows.
         row_tokens = max(len(p) for p in prompts) + sampling.max_new_tokens
         per_chunk = self.max_batch_tokens // (row_tokens * sampling.n)
-        outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * sampling.n : (i + per_chunk) * sampling.n].to(self.device))
+        P = max(len(p) for p in prompts)
+        outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * sampling.n : (i + per_chunk) * sampling.n].to(self.device), P)
                 for i in range(0, len(prompts), per_chunk)]
-        T, P = max(o[0].size(1) for o in outs), max(len(p) for p in prompts)
-        pad = lambda x: F.pad(x, (0, T - x.size(1)))  # noqa: E731  (right-pad a chunk to the longest)
-        # routing [b, p + t, L, k] of a chunk -> to_batch's columns: left-pad its prompts to P, right-pad to T
-        route = lambda r, t: F.pad(r, (0, 0, 0, 0, P + T - r.size(1) - (T - t), T - t), value=-1)  # noqa: E731
-        return Rollout(
-            tokens=torch.cat([pad(o[0]) for o in outs]),
-            infer_logp=torch.cat([pad(o[1]) for o in outs]),
-            mask=torch.cat([pad(o[2]) for o in outs]),
-            prompt_ids=[p for p in prompts for _ in range(sampling.n)],
-            finish_reasons=[r for o in outs for r in o[3]],
-            routing=torch.cat([route(o[4], o[0].size(1)) for o in outs]) if self.top_k else None,
-        )
+        ro = Rollout.from_ragged([t for o in outs for t in o[0]], [p for p in prompts for _ in range(sampling.n)],
+                                 [r for o in outs for r in o[2]], infer_logp=[lp for o in outs for lp in o[1]])
+        if self.top_k:  # a chunk's routing [b, P + its longest response, L, k], right-padded to to_batch's P + T columns
+            ro.routing = torch.cat([F.pad(o[3], (0, 0, 0, 0, 0, P + ro.tokens.size(1) - o[3].size(1)), value=-1) for o in outs])
+        return ro
 
-    def _generate_chunk(self, prompts: list[list[int]], s: Sampling, uniforms: Tensor):
-        """Rows are the prompts, each repeated s.n times; uniforms [B, N] drive the draws. Returns CPU tokens,
-        logp, mask [B, T], finish reasons."""
+    def _generate_chunk(self, prompts: list[list[int]], s: Sampling, uniforms: Tensor, width: int):
+        """Rows are the prompts, each repeated s.n times; uniforms [B, N] drive the draws. Returns per row its CPU
+        response tokens and log-probs, the finish reasons, and an MoE's routing [B, width + T, L, k] (width: the longest
+        prompt of the whole generate call, for to_batch's columns)."""
         dev, n, N, K = self.device, s.n, s.max_new_tokens, self.n_kv
         B = len(prompts) * n
         lens = torch.tensor([len(p) for p in prompts])
@@ -646,11 +656,13 @@ class EmbeddedEngine:
         mask = alive[:, :T]
         finish = ["stop" if d else "length" for d in done.tolist()]
         routing = None
-        if routes is not None:  # [B, P + T, L, k]: prompt (its pads -1), response tokens 0 .. T-2, -1 for the last one
+        if routes is not None:  # [B, width + T, L, k]: prompt (its pads -1), response tokens 0 .. T-2, -1 for the last one
             pre = torch.stack(routes, 2).repeat_interleave(n, dim=0).masked_fill(~valid[:, :P, None, None], -1)
             dec = torch.cat(steps + [torch.full_like(pre[:, :1], -1)], 1).masked_fill(~mask[:, :, None, None], -1)
-            routing = torch.cat([pre, dec], 1).cpu()
-        return tokens[:, :T].masked_fill(~mask, 0).cpu(), logp[:, :T].masked_fill(~mask, 0.0).cpu(), mask.cpu(), finish, routing
+            routing = F.pad(torch.cat([pre, dec], 1), (0, 0, 0, 0, width - P, 0), value=-1).cpu()
+        lens = mask.sum(1).tolist()  # a row's tokens are a prefix: it stops at its stop token
+        tokens, logp = tokens.cpu(), logp.cpu()
+        return [x[:k] for x, k in zip(tokens, lens)], [x[:k] for x, k in zip(logp, lens)], finish, routing
 
 
 # ----------------------------------------------------------------------------- the trainer's side: engine and weight sync

@@ -188,10 +188,7 @@ class demo_engine:
             lo, hi = min(lo, hi), max(lo, hi)
             text = f"{lo}-{hi}" if summary else str((lo + hi) // 2 if rng.random() < self.p_mid else rng.randint(lo, hi))
             outs.append(self.tok(text, add_special_tokens=False).input_ids + [self.tok.eos_token_id])
-        T = max(map(len, outs))
-        tokens = torch.tensor([o + [0] * (T - len(o)) for o in outs])
-        mask = torch.tensor([[True] * len(o) + [False] * (T - len(o)) for o in outs])
-        return Rollout(tokens, torch.zeros(tokens.shape), mask, [list(p) for p in prompt_ids], ["stop"] * len(outs))
+        return Rollout.from_ragged(outs, prompt_ids, ["stop"] * len(outs))
 
 
 def _guess_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callable]:
