@@ -249,15 +249,12 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             r.rewards[last] += later  # the rest of the episode's rewards: every row carries the episode's return
             later += own
         out += [(k, r) for r in rs]
-    B, T = len(out), max(len(r.tokens) for _, r in out)
-    tokens, attend, mask = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.bool)
-    logp, rewards = torch.zeros(B, T), torch.zeros(B, T)
-    for b, (_, r) in enumerate(out):
-        L = len(r.tokens)
-        tokens[b, :L], attend[b, :L], mask[b, :L] = torch.tensor(r.tokens), True, torch.tensor(r.model)
-        logp[b, :L], rewards[b, :L] = torch.tensor(r.logp), torch.tensor(r.rewards)
-    ro = Rollout(tokens=tokens, infer_logp=logp, mask=mask, prompt_ids=[r.prompt for _, r in out],
-                 finish_reasons=[r.finish for _, r in out], attend=attend)
+    rows = [r for _, r in out]
+    ro = Rollout.from_ragged([r.tokens for r in rows], [r.prompt for r in rows], [r.finish for r in rows],
+                             infer_logp=[r.logp for r in rows], model=[r.model for r in rows])
+    rewards = torch.zeros(ro.tokens.shape)
+    for b, r in enumerate(rows):
+        rewards[b, : len(r.rewards)] = torch.tensor(r.rewards)
     return Episodes(ro, rewards, torch.tensor([e.ret for e in eps]), [k for k, _ in out], [e.turns for e in eps],
                     [e.finish for e in eps], [e.messages for e in eps])
 

@@ -1,15 +1,14 @@
-"""The run's options (Config, one field per command-line flag) and every check that runs before any model
-loads: resolve (the options against each other and the world), check_resume (a resume against the recorded
-run) and check_model (the model folder and every data row). train_ppo.py re-exports all of them."""
+"""The run's options (Config, one field per command-line flag) and the checks that run before any model loads:
+resolve (the options against each other and the world) and check_model (the model folder and every data row).
+A resume is checked against the recorded run by runlog.check_resume."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -19,7 +18,7 @@ from agent import load_env
 from data.rewards import load_reward
 from data.tasks import check_lengths
 from moe import is_moe
-from parallel import check_tp, print0
+from parallel import check_tp
 from rollout import SUPPORTED_MODEL_TYPES, Sampling
 from runlog import safetensors_problem
 
@@ -288,37 +287,6 @@ def resolve(cfg: Config, world_size: int) -> dict:
     if errors:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
     return {"dp": dp, "n": n, "rows": rows, "prompts": rows // n, "critic_lr_used": cfg.critic_lr or 5 * cfg.lr}
-
-
-# What a resume may change: options that do not change what the run means (its length, evaluation, logging,
-# checkpointing) and the learning rates, applied for real to the optimisers (to resume after a blow-up).
-RESUMABLE = ("steps", "eval_every", "eval_size", "eval_dtype", "eval_task", "eval_split", "eval_samples", "save_every",
-             "keep_checkpoints", "wandb", "tensorboard", "lr", "critic_lr", "max_bad_steps", "deterministic")
-
-
-def check_resume(cfg: Config, ckpt: str, world_size: int) -> dict:
-    """Compare this run's options with those recorded in the run folder; refuse, naming them, the changes a
-    resume cannot honour; return the accepted ones as {name: [old, new]}."""
-    with open(os.path.join(ckpt, "meta.json")) as f:
-        meta = json.load(f)
-    if meta["world_size"] != world_size:
-        raise ValueError(f"checkpoint {ckpt} was written by {meta['world_size']} processes, this run has {world_size}; resume with the same launch")
-    path = os.path.join(cfg.out_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} is missing, so a resume cannot check that its options match the run's; restore it or use a new --out-dir")
-    with open(path) as f:
-        recorded = json.load(f)["config"]
-    changed = {k: [recorded[k], v] for k, v in asdict(cfg).items() if k in recorded and recorded[k] != v}
-    refused = [f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items() if k not in RESUMABLE]
-    if cfg.steps < meta["step"]:
-        refused.append(f"--steps {cfg.steps} is below the checkpoint's step {meta['step']}")
-    if refused:
-        raise ValueError(f"--out-dir {cfg.out_dir} holds a run (checkpoint at step {meta['step']}) that this resume would change: "
-                         + "; ".join(refused) + f". Resume with the recorded options, or use a new --out-dir. A resume may change only "
-                         + ", ".join("--" + k.replace("_", "-") for k in RESUMABLE))
-    if changed:
-        print0(f"resume: applying changed options {changed}")
-    return changed
 
 
 def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":

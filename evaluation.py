@@ -10,8 +10,8 @@ from dataclasses import asdict
 import torch.distributed as dist
 
 from config import Config
-from data.rewards import majority_correct, pass_at_k
-from data.tasks import Scores, encode_prompt, reward_columns, score
+from data.rewards import Scores, majority_correct, pass_at_k, reward_columns, score
+from data.tasks import encode_prompt
 from rollout import Sampling
 from runlog import Metrics
 

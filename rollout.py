@@ -34,7 +34,7 @@ from torch import Tensor
 
 import losses
 import moe
-from quant import fake_quant
+from parallel import full_weights
 
 
 @dataclass
@@ -144,6 +144,21 @@ class Rollout:
     to_batch's layout (P = the longest prompt), -1 where no token was routed (padding, the last response token,
     which is never fed back). None for dense models and multi-turn rows."""
 
+    @classmethod
+    def from_ragged(cls, tokens: list, prompt_ids: list[list[int]], finish_reasons: list[str], *, infer_logp: list | None = None,
+                    model: list | None = None) -> Rollout:
+        """Per-row lists (or 1-D tensors) of response tokens and their log-probs (None: 0), right-padded to the longest
+        row. model: per row and token, True on model tokens (multi-turn rows: `mask`; every real token is `attend`);
+        None: every token is a model token."""
+        def pad(rows, dtype):
+            return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r, dtype=dtype) for r in rows], batch_first=True)
+
+        toks = pad(tokens, torch.long)
+        real = pad([torch.ones(len(t), dtype=torch.bool) for t in tokens], torch.bool)
+        logp = torch.zeros(toks.shape) if infer_logp is None else pad(infer_logp, torch.float32)
+        mask = real if model is None else pad(model, torch.bool)
+        return cls(toks, logp, mask, [list(p) for p in prompt_ids], list(finish_reasons), None if model is None else real)
+
     def to_batch(self, pad_id: int = 0) -> TrainBatch:
         """Left-padded prompt + response per row, pad_id elsewhere. Returns TrainBatch (tensors on CPU). The
         attention mask (and the positions) cover `attend`, observation tokens included."""
@@ -204,19 +219,32 @@ class Engine(Protocol):
         """Release everything; the engine cannot be used afterwards."""
 
 
-def __getattr__(name: str):
-    """`from rollout import SGLangEngine` without importing sglang here (sglang_engine.py imports it lazily)."""
-    if name == "SGLangEngine":
-        from sglang_engine import SGLangEngine
-
-        return SGLangEngine
-    raise AttributeError(f"module 'rollout' has no attribute {name!r}")
-
-
 # Compute dtype per engine dtype; fp8 and int4 are bf16 compute over fake-quantised decoder Linear weights.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "int4": torch.bfloat16}
 # KV-cache storage: "auto" = the compute dtype, "fp8" = float8_e4m3fn with a fixed scale of 1.0.
 KV_CACHE_DTYPES = ("auto", "fp8")
+# Largest finite float8_e4m3fn value: the per-channel scale maps each row's absmax onto it.
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+INT4_GROUP_SIZE = 32  # dtype "int4": consecutive input elements per scale
+
+
+def fake_quant_fp8(w: Tensor) -> Tensor:
+    """Round a Linear weight [out, in] through float8_e4m3fn with one scale per output channel, and back."""
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_E4M3_MAX
+    return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
+
+
+def fake_quant_int4(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> Tensor:
+    """Round a Linear weight [out, in] through symmetric weight-only int4 and back (the FlashRL / GPTQ rule, in float32):
+    per group of `group_size` consecutive input elements, s = absmax / 7, w_hat = clamp(round(w / s), -8, 7) * s, so
+    |w - w_hat| <= s / 2 and the absmax element is kept (docs/algorithms.md, section 16). Returns w_hat in w's dtype."""
+    rows, cols = w.shape
+    if cols % group_size:
+        raise ValueError(f"fake_quant_int4: the input dimension {cols} of a [{rows}, {cols}] weight is not a "
+                         f"multiple of group_size={group_size}")
+    g = w.float().reshape(rows, cols // group_size, group_size)
+    s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7  # the clamp only guards all-zero groups
+    return ((g / s).round().clamp(-8, 7) * s).reshape(rows, cols).to(w.dtype)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # HF name inside a decoder layer -> (slot in the engine's per-layer store, part index). Parts of one slot
@@ -273,7 +301,7 @@ class EmbeddedEngine:
     dtype: "fp32"; "bf16" (weights and compute in bf16, log-probs in fp32 from bf16 logits); "fp8" (bf16
         compute with the decoder's Linear weights fake-quantised to float8_e4m3fn, one scale per output
         channel, as FP8 rollouts do; embeddings, lm_head and norms stay bf16, as vLLM/SGLang keep them);
-        "int4" (the same, with weight-only symmetric int4 in groups of 32 input elements: quant.fake_quant_int4,
+        "int4" (the same, with weight-only symmetric int4 in groups of 32 input elements: fake_quant_int4,
         the FlashRL / GPTQ rule; every decoder Linear's input size must be a multiple of 32). MoE experts are
         quantised like Linear weights, each expert on its own; the router stays in the compute dtype.
         An MoE engine routes like HF (softmax in fp32, top-k, optional renormalisation) and records the experts
@@ -350,9 +378,16 @@ class EmbeddedEngine:
     # ---- weights ---------------------------------------------------------------------------------
 
     def _transform(self, name: str, t: Tensor) -> Tensor:
+        """The engine's copy of a weight: fp8 / int4 round decoder Linear weights and experts (in fp32), then the cast."""
         t = t.detach().to(self.device, torch.float32)
-        if name.startswith("model.layers.") and (name.endswith("_proj.weight") or ".experts." in name):  # Linear weights, experts
-            t = fake_quant(name, t.reshape(-1, t.size(-1)), self.dtype_name).view(t.shape)
+        kind = self.dtype_name
+        if kind in ("fp8", "int4") and name.startswith("model.layers.") and (name.endswith("_proj.weight") or ".experts." in name):
+            w = t.reshape(-1, t.size(-1))  # [out, in]; an expert stack [E, out, in] as E * out rows
+            if kind == "int4" and w.size(1) % INT4_GROUP_SIZE:
+                raise NotImplementedError(f"EmbeddedEngine: dtype 'int4' quantises groups of {INT4_GROUP_SIZE} input "
+                                          f"elements; {name!r} has shape {tuple(w.shape)}, whose input size "
+                                          f"{w.size(1)} is not a multiple of {INT4_GROUP_SIZE}")
+            t = (fake_quant_fp8 if kind == "fp8" else fake_quant_int4)(w).view(t.shape)
         return t.to(self.dtype)
 
     def _bind(self) -> None:
@@ -543,24 +578,19 @@ class EmbeddedEngine:
         # A prompt's n samples stay in one chunk: its prefill runs once and is copied to the n rows.
         row_tokens = max(len(p) for p in prompts) + sampling.max_new_tokens
         per_chunk = self.max_batch_tokens // (row_tokens * sampling.n)
-        outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * sampling.n : (i + per_chunk) * sampling.n].to(self.device))
+        P = max(len(p) for p in prompts)
+        outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * sampling.n : (i + per_chunk) * sampling.n].to(self.device), P)
                 for i in range(0, len(prompts), per_chunk)]
-        T, P = max(o[0].size(1) for o in outs), max(len(p) for p in prompts)
-        pad = lambda x: F.pad(x, (0, T - x.size(1)))  # noqa: E731  (right-pad a chunk to the longest)
-        # routing [b, p + t, L, k] of a chunk -> to_batch's columns: left-pad its prompts to P, right-pad to T
-        route = lambda r, t: F.pad(r, (0, 0, 0, 0, P + T - r.size(1) - (T - t), T - t), value=-1)  # noqa: E731
-        return Rollout(
-            tokens=torch.cat([pad(o[0]) for o in outs]),
-            infer_logp=torch.cat([pad(o[1]) for o in outs]),
-            mask=torch.cat([pad(o[2]) for o in outs]),
-            prompt_ids=[p for p in prompts for _ in range(sampling.n)],
-            finish_reasons=[r for o in outs for r in o[3]],
-            routing=torch.cat([route(o[4], o[0].size(1)) for o in outs]) if self.top_k else None,
-        )
+        ro = Rollout.from_ragged([t for o in outs for t in o[0]], [p for p in prompts for _ in range(sampling.n)],
+                                 [r for o in outs for r in o[2]], infer_logp=[lp for o in outs for lp in o[1]])
+        if self.top_k:  # a chunk's routing [b, P + its longest response, L, k], right-padded to to_batch's P + T columns
+            ro.routing = torch.cat([F.pad(o[3], (0, 0, 0, 0, 0, P + ro.tokens.size(1) - o[3].size(1)), value=-1) for o in outs])
+        return ro
 
-    def _generate_chunk(self, prompts: list[list[int]], s: Sampling, uniforms: Tensor):
-        """Rows are the prompts, each repeated s.n times; uniforms [B, N] drive the draws. Returns CPU tokens,
-        logp, mask [B, T], finish reasons."""
+    def _generate_chunk(self, prompts: list[list[int]], s: Sampling, uniforms: Tensor, width: int):
+        """Rows are the prompts, each repeated s.n times; uniforms [B, N] drive the draws. Returns per row its CPU
+        response tokens and log-probs, the finish reasons, and an MoE's routing [B, width + T, L, k] (width: the longest
+        prompt of the whole generate call, for to_batch's columns)."""
         dev, n, N, K = self.device, s.n, s.max_new_tokens, self.n_kv
         B = len(prompts) * n
         lens = torch.tensor([len(p) for p in prompts])
@@ -626,8 +656,42 @@ class EmbeddedEngine:
         mask = alive[:, :T]
         finish = ["stop" if d else "length" for d in done.tolist()]
         routing = None
-        if routes is not None:  # [B, P + T, L, k]: prompt (its pads -1), response tokens 0 .. T-2, -1 for the last one
+        if routes is not None:  # [B, width + T, L, k]: prompt (its pads -1), response tokens 0 .. T-2, -1 for the last one
             pre = torch.stack(routes, 2).repeat_interleave(n, dim=0).masked_fill(~valid[:, :P, None, None], -1)
             dec = torch.cat(steps + [torch.full_like(pre[:, :1], -1)], 1).masked_fill(~mask[:, :, None, None], -1)
-            routing = torch.cat([pre, dec], 1).cpu()
-        return tokens[:, :T].masked_fill(~mask, 0).cpu(), logp[:, :T].masked_fill(~mask, 0.0).cpu(), mask.cpu(), finish, routing
+            routing = F.pad(torch.cat([pre, dec], 1), (0, 0, 0, 0, width - P, 0), value=-1).cpu()
+        lens = mask.sum(1).tolist()  # a row's tokens are a prefix: it stops at its stop token
+        tokens, logp = tokens.cpu(), logp.cpu()
+        return [x[:k] for x, k in zip(tokens, lens)], [x[:k] for x, k in zip(logp, lens)], finish, routing
+
+
+# ----------------------------------------------------------------------------- the trainer's side: engine and weight sync
+
+# Share of each GPU that SGLang reserves for weights + KV cache when colocated with the trainer.
+SGLANG_GPU_MEM_FRACTION = 0.4
+
+
+def make_engine(cfg, path: str, device: torch.device) -> Engine:
+    """The rollout engine of a run (cfg: the run's config.Config; its engine, engine_dtype, kv_cache_dtype, seed)."""
+    if cfg.engine == "sglang":
+        from sglang_engine import SGLangEngine  # sglang_engine imports this module, and SGLang is optional
+
+        # --seed seeds SGLang's sampling stream (on CPU the only seed it honours; see sglang_engine's docstring).
+        if device.type != "cuda":
+            return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed)
+        # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
+        # memory is released in sleep() during training, but its reservation is sized at start).
+        return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed,
+                            base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
+    return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device)
+
+
+def push_weights(policy, engine: Engine | None) -> None:
+    """One stream of (hf_name, full tensor), gathered bucket by bucket; the engine re-buckets and flushes its cache
+    once at the end. TP peers without an engine (None) still run the all-gathers."""
+    weights = (pair for bucket in full_weights(policy) for pair in bucket)
+    if engine is not None:
+        engine.update_weights(weights)
+    else:
+        for _ in weights:
+            pass

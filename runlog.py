@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from moe import checkpoint_tensors
-from parallel import full_weights
+from parallel import full_weights, print0
 
 
 def _barrier():
@@ -322,6 +323,37 @@ def latest_checkpoint(out_dir: str) -> str | None:
     return None
 
 
+# What a resume may change: options that do not change what the run means (its length, evaluation, logging,
+# checkpointing) and the learning rates, applied for real to the optimisers (to resume after a blow-up).
+RESUMABLE = ("steps", "eval_every", "eval_size", "eval_dtype", "eval_task", "eval_split", "eval_samples", "save_every",
+             "keep_checkpoints", "wandb", "tensorboard", "lr", "critic_lr", "max_bad_steps", "deterministic")
+
+
+def check_resume(cfg, ckpt: str, world_size: int) -> dict:
+    """Compare this run's options (cfg: a config.Config) with those recorded in the run folder; refuse, naming them,
+    the changes a resume cannot honour; return the accepted ones as {name: [old, new]}."""
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        meta = json.load(f)
+    if meta["world_size"] != world_size:
+        raise ValueError(f"checkpoint {ckpt} was written by {meta['world_size']} processes, this run has {world_size}; resume with the same launch")
+    path = os.path.join(cfg.out_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing, so a resume cannot check that its options match the run's; restore it or use a new --out-dir")
+    with open(path) as f:
+        recorded = json.load(f)["config"]
+    changed = {k: [recorded[k], v] for k, v in asdict(cfg).items() if k in recorded and recorded[k] != v}
+    refused = [f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items() if k not in RESUMABLE]
+    if cfg.steps < meta["step"]:
+        refused.append(f"--steps {cfg.steps} is below the checkpoint's step {meta['step']}")
+    if refused:
+        raise ValueError(f"--out-dir {cfg.out_dir} holds a run (checkpoint at step {meta['step']}) that this resume would change: "
+                         + "; ".join(refused) + f". Resume with the recorded options, or use a new --out-dir. A resume may change only "
+                         + ", ".join("--" + k.replace("_", "-") for k in RESUMABLE))
+    if changed:
+        print0(f"resume: applying changed options {changed}")
+    return changed
+
+
 def lock_run_dir(out_dir: str):
     """Hold an exclusive lock on the run folder while this process lives (the OS drops it on any exit, kill -9
     included); a second live run into the same folder is refused. Returns the open lock file: keep it. (flock:
@@ -407,7 +439,7 @@ def save_checkpoint(out_dir: str, step: int, rank: int, world_size: int, keep: i
 
 def load_trainer_state(ckpt: str, rank: int, world_size: int, optimizers: dict) -> dict:
     """Restore this rank's optimizer and RNG states; returns the saved dict (step and extras). The caller has
-    checked that the launch matches (config.check_resume)."""
+    checked that the launch matches (check_resume)."""
     state = torch.load(os.path.join(ckpt, f"trainer_rank{rank}.pt"), weights_only=False)
     for k, opt in optimizers.items():
         _load_optimizer_state(opt, state["optimizers"][k])

@@ -186,15 +186,7 @@ class SGLangEngine:
             logps.append(logp)
             reasons.append(kind)
 
-        B, T = len(rows), max(len(t) for t in toks)
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        infer_logp = torch.zeros(B, T, dtype=torch.float32)
-        mask = torch.zeros(B, T, dtype=torch.bool)
-        for r, (t, lp) in enumerate(zip(toks, logps)):
-            tokens[r, : len(t)] = torch.tensor(t)
-            infer_logp[r, : len(t)] = torch.tensor(lp)
-            mask[r, : len(t)] = True
-        return Rollout(tokens=tokens, infer_logp=infer_logp, mask=mask, prompt_ids=rows, finish_reasons=reasons)
+        return Rollout.from_ragged(toks, rows, reasons, infer_logp=logps)
 
     def _top_k(self, sampling: Sampling) -> int:
         """Sampling.top_k, with 0 for a top_k that keeps the whole vocabulary (as losses.process_logits does)."""

@@ -40,20 +40,18 @@ from transformers import AutoModelForCausalLM
 import losses
 import moe
 from agent import DEFAULT_MAX_TURNS, Episodes, episode_metrics, load_env, run_episodes
-from config import Config, check_model, check_resume, resolve
+from config import Config, check_model, resolve
 from data.rewards import load_reward
 from data.tasks import get_task
 from evaluation import evaluate, rollouts, scored
 from forward import check_head, micro, minibatches, response_logprobs, response_values
-from parallel import Runtime, all_reduce, all_reduce_grads, clip_grad_norm_, full_weights, init_runtime, make_mesh, parallelize, print0
-from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch
-from runlog import Metrics, RunLog, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint, timed
+from parallel import Runtime, all_reduce, all_reduce_grads, clip_grad_norm_, init_runtime, make_mesh, parallelize, print0
+from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights
+from runlog import Metrics, RunLog, check_resume, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint, timed
 from value_model import (PLATEAU_WINDOW, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic,
                          set_head_to_mean)
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-# Share of each GPU that SGLang reserves for weights + KV cache when colocated with the trainer.
-SGLANG_GPU_MEM_FRACTION = 0.4
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -588,31 +586,6 @@ def check_finite(ok: bool, weights_ok: bool, bad: dict[str, int], what: str, whe
     last = latest_checkpoint(cfg.out_dir)
     raise RuntimeError(f"{where}: {why}. Nothing was saved after the trouble began: lower --{'lr' if what == 'policy' else 'critic-lr'} "
                        f"or check the rewards, and {'resume from ' + last + ' (rerun with the same --out-dir)' if last else 'start again'}")
-
-
-def make_engine(cfg: Config, path: str, device):
-    if cfg.engine == "sglang":
-        from sglang_engine import SGLangEngine
-
-        # --seed seeds SGLang's sampling stream (on CPU the only seed it honours; see sglang_engine's docstring).
-        if device.type != "cuda":
-            return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed)
-        # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
-        # memory is released in sleep() during training, but its reservation is sized at start).
-        return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed,
-                            base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
-    return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device)
-
-
-def push_weights(policy, engine) -> None:
-    """One stream of (hf_name, full tensor), gathered bucket by bucket; the engine re-buckets and flushes its cache
-    once at the end. TP peers without an engine (None) still run the all-gathers."""
-    weights = (pair for bucket in full_weights(policy) for pair in bucket)
-    if engine is not None:
-        engine.update_weights(weights)
-    else:
-        for _ in weights:
-            pass
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ def one(mode: str, args) -> dict:
 
     from data.tasks import encode_prompt, get_task
     from data.tiny import default_model
-    from rollout import Sampling, SGLangEngine
-    from train_ppo import SGLANG_GPU_MEM_FRACTION, push_weights
+    from rollout import SGLANG_GPU_MEM_FRACTION, Sampling, push_weights
+    from sglang_engine import SGLangEngine
     from value_model import build_critic
 
     path = args.model or default_model(os.path.join(REPO, ".cache"))

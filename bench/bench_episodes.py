@@ -18,7 +18,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # repo root, run from anywhere
 import agent  # noqa: E402
-from data.guess import GuessEnv, MAX_TURNS, guess_task  # noqa: E402
+from data.guess import GuessEnv, MAX_TURNS  # noqa: E402
+from data.tasks import guess_task  # noqa: E402
 from data.tiny import build_tokenizer, default_model  # noqa: E402
 from rollout import EmbeddedEngine, Sampling  # noqa: E402
 

@@ -40,7 +40,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import losses as L  # noqa: E402
-from data.tasks import encode_prompt, get_task, reward_columns, score  # noqa: E402
+from data.rewards import reward_columns, score  # noqa: E402
+from data.tasks import encode_prompt, get_task  # noqa: E402
 from rollout import EmbeddedEngine, Sampling  # noqa: E402
 
 

@@ -8,20 +8,16 @@ sent: a correct guess ends the episode. Ranges are 9 to 41 numbers wide, so bise
 turns. The interval left is an exact summary of an episode, which makes compaction testable: asked for a summary
 (SUMMARY_REQUEST), the policy answers with it ("41-60"), and the next row starts from "guess 23-87\nso far: 41-60".
 
-The tiny model's warm-up (data/tiny.py) imitates noisy bisection (`demo_engine`: the midpoint of the interval left
-half of the time, a uniform draw from it otherwise, and the exact interval when asked to summarise), trained on model
-tokens only, so RL starts from a policy that wins some of the time and has room to improve.
+This module is the environment and its rows; data/tasks.py's guess_task makes them a Task. The tiny model's warm-up
+(data/tiny.py) imitates noisy bisection (`demo_engine` there: the midpoint of the interval left half of the time, a
+uniform draw from it otherwise, and the exact interval when asked to summarise, read off the conversation by `interval`
+here), trained on model tokens only, so RL starts from a policy that wins some of the time and has room to improve.
 """
 
 from __future__ import annotations
 
 import random
 import re
-
-import torch
-
-from data.tasks import Task, _dataset
-from rollout import Rollout
 
 LO, HI = 1, 99
 MIN_WIDTH, MAX_WIDTH = 8, 40  # hi - lo
@@ -49,9 +45,9 @@ class GuessEnv:
         return ("<" if self.secret < int(t) else ">"), -self.turn_cost, False
 
 
-def guess_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ranges: float = 0.15) -> Task:
-    """Rows {prompt "guess lo-hi", answer the secret}; the test ranges are disjoint from the train ranges (a seeded
-    test_ranges share of all ranges), the secret is uniform in the range."""
+def guess_rows(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ranges: float = 0.15) -> tuple[list, list]:
+    """(train, test) rows (prompt "guess lo-hi", answer the secret); the test ranges are disjoint from the train ranges (a
+    seeded test_ranges share of all ranges), the secret is uniform in the range."""
     rng = random.Random(seed)
     ranges = [(lo, lo + w) for w in range(MIN_WIDTH, MAX_WIDTH + 1) for lo in range(LO, HI - w + 1)]
     rng.shuffle(ranges)
@@ -61,7 +57,7 @@ def guess_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ran
         return [(f"guess {lo}-{hi}", str(rng.randint(lo, hi))) for lo, hi in (rng.choice(pool) for _ in range(n))]
 
     test, train = rows(ranges[:cut], n_test), rows(ranges[cut:], n_train)
-    return Task("guess", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=8, env=GuessEnv, max_turns=MAX_TURNS)
+    return train, test
 
 
 def interval(conversation: str) -> tuple[int, int, bool]:
@@ -76,25 +72,3 @@ def interval(conversation: str) -> tuple[int, int, bool]:
         elif g is not None and obs.startswith(">"):
             lo = max(lo, g + 1)
     return lo, hi, msgs[-1][1].rstrip().endswith(SUMMARY_REQUEST)
-
-
-class demo_engine:
-    """A rollout engine that plays noisy bisection (for the warm-up's demonstrations): from the interval left, the
-    midpoint with probability p_mid, else a uniform draw; the interval itself when asked for a summary. Draws come
-    from each row's seed, so demonstrations are reproducible."""
-
-    def __init__(self, tok, p_mid: float = 0.5):
-        self.tok, self.p_mid = tok, p_mid
-
-    def generate(self, prompt_ids, sampling) -> Rollout:
-        outs = []
-        for r, ids in enumerate(prompt_ids):
-            rng = random.Random(sampling.row_seed(r))
-            lo, hi, summary = interval(self.tok.decode(ids))
-            lo, hi = min(lo, hi), max(lo, hi)
-            text = f"{lo}-{hi}" if summary else str((lo + hi) // 2 if rng.random() < self.p_mid else rng.randint(lo, hi))
-            outs.append(self.tok(text, add_special_tokens=False).input_ids + [self.tok.eos_token_id])
-        T = max(map(len, outs))
-        tokens = torch.tensor([o + [0] * (T - len(o)) for o in outs])
-        mask = torch.tensor([[True] * len(o) + [False] * (T - len(o)) for o in outs])
-        return Rollout(tokens, torch.zeros(tokens.shape), mask, [list(p) for p in prompt_ids], ["stop"] * len(outs))

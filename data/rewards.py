@@ -14,18 +14,22 @@ aligned with `completions` (the internal `where` column is not passed). One item
                hashable) is the sample's final answer, used for majority voting (maj@k)
 
 `load_reward(spec)` resolves a --reward value: "" or "exact" (the default exact match), "math",
-"path/to/file.py:function" or "package.module:function".
+"path/to/file.py:function" or "package.module:function". `score` runs a task's reward on completions and checks
+what it returns.
 """
 
 import functools
 import importlib
 import importlib.util
 import math
+import numbers
 import os
 import re
 import sys
 from collections import Counter
-from typing import Callable, Hashable
+from typing import Callable, Hashable, NamedTuple
+
+import torch
 
 
 def exact_match_reward(completions: list[str], answers: list[str]) -> list[float]:
@@ -132,6 +136,82 @@ def load_reward(spec: str) -> Callable:
     if not callable(fn):
         raise ValueError(f"--reward {spec!r}: {where}:{name} is a {type(fn).__name__}, not a function")
     return fn
+
+
+# ----------------------------------------------------------------------------- scoring completions
+
+
+class Scores(NamedTuple):
+    rewards: torch.Tensor
+    """[N] float32; 0 where there is no reward."""
+    rewarded: torch.Tensor
+    """[N] bool: False where the reward function returned None (or a dict whose score is None)."""
+    extras: list[dict]
+    """Per sample, the keys of a returned dict other than "score" ({} for a plain number or None)."""
+
+    @classmethod
+    def of(cls, rewards: torch.Tensor) -> "Scores":
+        """Every sample rewarded, no extra keys."""
+        return cls(rewards.float(), torch.ones(len(rewards), dtype=torch.bool), [{} for _ in range(len(rewards))])
+
+
+def reward_columns(ds, n: int = 1) -> dict[str, list]:
+    """The columns of `ds` (a datasets.Dataset) a reward receives (all but `where`), each row repeated n times (n samples
+    per prompt)."""
+    return {k: [v for v in ds[k] for _ in range(n)] for k in ds.column_names if k != "where"}
+
+
+def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
+    """Run the task's reward function (task: a data.tasks.Task) on completions and the dataset columns aligned with them ("prompt" and
+    "answer" among them; reward_columns): fn(completions, prompts=, answer=, **other columns). Refuses anything
+    but one finite number, None or dict with "score" per completion, naming the function and the sample."""
+    fn = getattr(task.reward_fn, "__name__", repr(task.reward_fn))
+    args = lambda rows: {"prompts": [columns["prompt"][i] for i in rows], "answer": [columns["answer"][i] for i in rows],  # noqa: E731
+                         **{k: [v[i] for i in rows] for k, v in columns.items() if k not in ("prompt", "answer")}}
+    for k, v in columns.items():
+        if len(v) != len(completions):
+            raise ValueError(f"score: column {k!r} has {len(v)} values for {len(completions)} completions")
+    try:
+        rewards = task.reward_fn(completions, **args(range(len(completions))))
+    except Exception as e:
+        for i, c in enumerate(completions):  # find the sample that breaks it
+            try:
+                task.reward_fn([c], **args([i]))
+            except Exception:
+                raise RuntimeError(f"reward function {fn} raised on sample {i} (completion {c!r}, answer "
+                                   f"{columns['answer'][i]!r}): {e!r}") from e
+        raise RuntimeError(f"reward function {fn} raised on the batch: {e!r}") from e
+    n = len(rewards) if hasattr(rewards, "__len__") else None
+    if n != len(completions):
+        raise RuntimeError(f"reward function {fn} returned {type(rewards).__name__} of length {n} for {len(completions)} "
+                           "completions; it must return one float, None or dict per completion")
+    f32_max = torch.finfo(torch.float32).max
+    values, extras = [], []
+    for i, r in enumerate(rewards):
+        extra = {}
+        if isinstance(r, dict):
+            if "score" not in r:
+                raise RuntimeError(f"reward function {fn} returned a dict without 'score' for sample {i} (completion "
+                                   f"{completions[i]!r}; keys {sorted(r)}); a dict needs 'score' (a number, or None)")
+            extra = {k: v for k, v in r.items() if k != "score"}
+            if "pred" in extra and not isinstance(extra["pred"], Hashable):
+                raise RuntimeError(f"reward function {fn} returned an unhashable 'pred' {extra['pred']!r} for sample {i}; "
+                                   "'pred' is voted on (maj@k): use a string, number or tuple")
+            r = r["score"]
+        extras.append(extra)
+        if r is None:
+            values.append(None)
+            continue
+        # numpy scalars are Real too; an int is finite however large (math.isfinite would overflow on it)
+        if not isinstance(r, numbers.Real) or not (isinstance(r, numbers.Integral) or math.isfinite(r)):
+            raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}); "
+                               "rewards must be finite numbers (or None: no reward)")
+        if abs(r) > f32_max:
+            raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}), "
+                               f"which is inf in float32 (|r| > {f32_max:.6g}); rewards must be finite in float32")
+        values.append(float(r))
+    rewarded = torch.tensor([v is not None for v in values], dtype=torch.bool)
+    return Scores(torch.tensor([0.0 if v is None else v for v in values]), rewarded, extras)
 
 
 # ----------------------------------------------------------------------------- evaluation metrics

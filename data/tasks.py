@@ -2,7 +2,7 @@
 
 A prompt is the user message, or a list of chat messages (the chat template is applied once, by
 encode_prompt); an answer is the reference string the reward compares with. All rewards here are single
-terminal rewards; data/rewards.py holds the built-ins and the loader of --reward.
+terminal rewards; data/rewards.py holds the built-ins, the loader of --reward and `score`, which runs them.
 
     addition  "042+315" -> "0357"                          (5 response tokens with <|im_end|>)
     sort      "sort: 3 7 1 9 4 2 8 5" -> "1 2 3 4 5 7 8 9"  (16 response tokens: a longer horizon)
@@ -14,7 +14,6 @@ terminal rewards; data/rewards.py holds the built-ins and the loader of --reward
 
 import csv
 import json
-import math
 import numbers
 import os
 import random
@@ -22,12 +21,12 @@ import re
 import socket
 import urllib.parse
 from dataclasses import dataclass
-from typing import Callable, Hashable, NamedTuple
+from typing import Callable
 
 import datasets
 import pyarrow.parquet
-import torch
 
+from data.guess import MAX_TURNS, GuessEnv, guess_rows
 from data.rewards import exact, exact_match_reward  # noqa: F401  (exact_match_reward: re-exported)
 
 
@@ -392,83 +391,10 @@ def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int) -> Non
                          f"are too long, the longest prompt is {max(n for _, n in too_long)} tokens")
 
 
-class Scores(NamedTuple):
-    rewards: torch.Tensor
-    """[N] float32; 0 where there is no reward."""
-    rewarded: torch.Tensor
-    """[N] bool: False where the reward function returned None (or a dict whose score is None)."""
-    extras: list[dict]
-    """Per sample, the keys of a returned dict other than "score" ({} for a plain number or None)."""
-
-    @classmethod
-    def of(cls, rewards: torch.Tensor) -> "Scores":
-        """Every sample rewarded, no extra keys."""
-        return cls(rewards.float(), torch.ones(len(rewards), dtype=torch.bool), [{} for _ in range(len(rewards))])
-
-
-def reward_columns(ds: datasets.Dataset, n: int = 1) -> dict[str, list]:
-    """The columns of `ds` a reward receives (all but `where`), each row repeated n times (n samples per prompt)."""
-    return {k: [v for v in ds[k] for _ in range(n)] for k in ds.column_names if k != "where"}
-
-
-def score(task: Task, completions: list[str], columns: dict[str, list]) -> Scores:
-    """Run the task's reward function on completions and the dataset columns aligned with them ("prompt" and
-    "answer" among them; reward_columns): fn(completions, prompts=, answer=, **other columns). Refuses anything
-    but one finite number, None or dict with "score" per completion, naming the function and the sample."""
-    fn = getattr(task.reward_fn, "__name__", repr(task.reward_fn))
-    args = lambda rows: {"prompts": [columns["prompt"][i] for i in rows], "answer": [columns["answer"][i] for i in rows],  # noqa: E731
-                         **{k: [v[i] for i in rows] for k, v in columns.items() if k not in ("prompt", "answer")}}
-    for k, v in columns.items():
-        if len(v) != len(completions):
-            raise ValueError(f"score: column {k!r} has {len(v)} values for {len(completions)} completions")
-    try:
-        rewards = task.reward_fn(completions, **args(range(len(completions))))
-    except Exception as e:
-        for i, c in enumerate(completions):  # find the sample that breaks it
-            try:
-                task.reward_fn([c], **args([i]))
-            except Exception:
-                raise RuntimeError(f"reward function {fn} raised on sample {i} (completion {c!r}, answer "
-                                   f"{columns['answer'][i]!r}): {e!r}") from e
-        raise RuntimeError(f"reward function {fn} raised on the batch: {e!r}") from e
-    n = len(rewards) if hasattr(rewards, "__len__") else None
-    if n != len(completions):
-        raise RuntimeError(f"reward function {fn} returned {type(rewards).__name__} of length {n} for {len(completions)} "
-                           "completions; it must return one float, None or dict per completion")
-    f32_max = torch.finfo(torch.float32).max
-    values, extras = [], []
-    for i, r in enumerate(rewards):
-        extra = {}
-        if isinstance(r, dict):
-            if "score" not in r:
-                raise RuntimeError(f"reward function {fn} returned a dict without 'score' for sample {i} (completion "
-                                   f"{completions[i]!r}; keys {sorted(r)}); a dict needs 'score' (a number, or None)")
-            extra = {k: v for k, v in r.items() if k != "score"}
-            if "pred" in extra and not isinstance(extra["pred"], Hashable):
-                raise RuntimeError(f"reward function {fn} returned an unhashable 'pred' {extra['pred']!r} for sample {i}; "
-                                   "'pred' is voted on (maj@k): use a string, number or tuple")
-            r = r["score"]
-        extras.append(extra)
-        if r is None:
-            values.append(None)
-            continue
-        # numpy scalars are Real too; an int is finite however large (math.isfinite would overflow on it)
-        if not isinstance(r, numbers.Real) or not (isinstance(r, numbers.Integral) or math.isfinite(r)):
-            raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}); "
-                               "rewards must be finite numbers (or None: no reward)")
-        if abs(r) > f32_max:
-            raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}), "
-                               f"which is inf in float32 (|r| > {f32_max:.6g}); rewards must be finite in float32")
-        values.append(float(r))
-    rewarded = torch.tensor([v is not None for v in values], dtype=torch.bool)
-    return Scores(torch.tensor([0.0 if v is None else v for v in values]), rewarded, extras)
-
-
-def guess_task(**kwargs) -> Task:
-    """The multi-turn guessing task (data/guess.py, which imports this module)."""
-    from data.guess import guess_task
-
-    return guess_task(**kwargs)
+def guess_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ranges: float = 0.15) -> Task:
+    """The multi-turn guessing task: data/guess.py's rows (test ranges disjoint from the train ranges) and environment."""
+    train, test = guess_rows(seed, n_train, n_test, test_ranges)
+    return Task("guess", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=8, env=GuessEnv, max_turns=MAX_TURNS)
 
 
 TASKS = {"addition": addition_task, "sort": sort_task, "guess": guess_task}

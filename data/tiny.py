@@ -14,6 +14,7 @@ cached under .cache/, one model per built-in task. A few minutes on 2 CPU thread
 import hashlib
 import json
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -24,7 +25,10 @@ import torch.nn.functional as F
 import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+import agent
+from data.guess import interval
 from data.tasks import TASKS, Task, encode_prompt
+from rollout import EmbeddedEngine, Rollout, Sampling
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, IM_START_ID, EOS_ID = 256, 257, 258  # the special tokens come right after the 256 bytes
@@ -168,13 +172,28 @@ def _sft_batch(tok, examples: list[tuple[list[int], list[bool]]]):
     return ids, loss_mask
 
 
+class demo_engine:
+    """A rollout engine that plays noisy bisection (for the warm-up's demonstrations): from the interval left, the
+    midpoint with probability p_mid, else a uniform draw; the interval itself when asked for a summary. Draws come
+    from each row's seed, so demonstrations are reproducible."""
+
+    def __init__(self, tok, p_mid: float = 0.5):
+        self.tok, self.p_mid = tok, p_mid
+
+    def generate(self, prompt_ids, sampling) -> Rollout:
+        outs = []
+        for r, ids in enumerate(prompt_ids):
+            rng = random.Random(sampling.row_seed(r))
+            lo, hi, summary = interval(self.tok.decode(ids))
+            lo, hi = min(lo, hi), max(lo, hi)
+            text = f"{lo}-{hi}" if summary else str((lo + hi) // 2 if rng.random() < self.p_mid else rng.randint(lo, hi))
+            outs.append(self.tok(text, add_special_tokens=False).input_ids + [self.tok.eos_token_id])
+        return Rollout.from_ragged(outs, prompt_ids, ["stop"] * len(outs))
+
+
 def _guess_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callable]:
     """Demonstrations of data/guess.py's noisy bisection, played by the multi-turn driver itself so they have the
     exact token layout RL sees (a third with compaction), and greedy success on the validation rows."""
-    import agent
-    from data.guess import demo_engine
-    from rollout import EmbeddedEngine, Sampling
-
     rows = task.train.to_list()
     val, rest = rows[:n_eval], rows[n_eval:]
     pool = []

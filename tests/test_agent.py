@@ -11,8 +11,9 @@ import torch
 
 import agent
 import losses as L
-from data.guess import GuessEnv, demo_engine, guess_task, interval
-from data.tiny import build_tiny_model, build_tokenizer, default_model
+from data.guess import GuessEnv, interval
+from data.tasks import guess_task
+from data.tiny import build_tiny_model, build_tokenizer, default_model, demo_engine
 from rollout import EmbeddedEngine, Rollout, Sampling
 from train_ppo import Config, minibatches, resolve
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import losses as L
-from data.rewards import extract_answer, load_reward, majority_correct, math_reward, pass_at_k
-from data.tasks import Task, check_lengths, encode_prompt, get_task, load_task, reward_columns, score
+from data.rewards import extract_answer, load_reward, majority_correct, math_reward, pass_at_k, reward_columns, score
+from data.tasks import Task, check_lengths, encode_prompt, get_task, load_task
 from data.tiny import build_tokenizer
 from train_ppo import Config, denominator, resolve, whiten
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from data.tasks import (Task, addition_task, check_lengths, encode_prompt, exact_match_reward, get_task, load_task, score,
-                        sort_task)
+from data.rewards import exact_match_reward, score
+from data.tasks import Task, addition_task, check_lengths, encode_prompt, get_task, load_task, sort_task
 from data.tiny import (DEFAULT_WARMUP, EOS_ID, PAD_ID, _sft_batch, build_tiny_model, build_tokenizer, default_model,
                        greedy_completions, tiny_config, warmup)
 

@@ -14,8 +14,7 @@ import transformers
 
 import moe
 from data.tiny import build_tokenizer, tiny_moe_config
-from quant import fake_quant_int4
-from rollout import EmbeddedEngine, Sampling
+from rollout import EmbeddedEngine, Sampling, fake_quant_int4
 
 NUDGE = 2e-2  # the trainer's router nudge, relative to its weights' RMS: flips ~2% of token-layer choices here
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

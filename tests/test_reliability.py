@@ -14,7 +14,7 @@ import torch
 
 import evaluation
 import train_ppo
-from data.tasks import Scores
+from data.rewards import Scores
 from data.tasks import get_task
 from data.tiny import default_model
 from losses import masked_whiten

@@ -8,8 +8,7 @@ import torch
 import transformers
 
 import losses
-from quant import fake_quant_int4
-from rollout import EmbeddedEngine, Rollout, Sampling
+from rollout import EmbeddedEngine, Rollout, Sampling, fake_quant_int4
 
 V = 300
 LLAMA = dict(vocab_size=V, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -422,7 +421,8 @@ def test_seed_reaches_the_sglang_engine(monkeypatch):
     """--seed seeds SGLang's sampling stream (random_seed), on CPU and on a GPU rank alike. Needs no sglang: the
     engine class is replaced by a recorder."""
     import sglang_engine
-    from train_ppo import Config, make_engine
+    from config import Config
+    from rollout import make_engine
 
     seen = []
     monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda path, **kw: seen.append(kw))

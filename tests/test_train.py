@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data.tasks import Scores, Task, score
+from data.rewards import Scores, score
+from data.tasks import Task
 import datasets
 from data.rewards import exact
 from train_ppo import Config, main, resolve
