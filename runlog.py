@@ -347,7 +347,7 @@ def check_resume(cfg, ckpt: str, world_size: int) -> dict:
         refused.append(f"--steps {cfg.steps} is below the checkpoint's step {meta['step']}")
     if refused:
         raise ValueError(f"--out-dir {cfg.out_dir} holds a run (checkpoint at step {meta['step']}) that this resume would change: "
-                         + "; ".join(refused) + f". Resume with the recorded options, or use a new --out-dir. A resume may change only "
+                         + "; ".join(refused) + ". Resume with the recorded options, or use a new --out-dir. A resume may change only "
                          + ", ".join("--" + k.replace("_", "-") for k in RESUMABLE))
     if changed:
         print0(f"resume: applying changed options {changed}")
