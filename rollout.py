@@ -34,7 +34,7 @@ from torch import Tensor
 
 import losses
 import moe
-from parallel import full_weights
+from parallel import SUPPORTED_MODELS, full_weights
 
 
 @dataclass
@@ -245,7 +245,6 @@ def fake_quant_int4(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> Tensor:
     g = w.float().reshape(rows, cols // group_size, group_size)
     s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7  # the clamp only guards all-zero groups
     return ((g / s).round().clamp(-8, 7) * s).reshape(rows, cols).to(w.dtype)
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # HF name inside a decoder layer -> (slot in the engine's per-layer store, part index). Parts of one slot
 # are concatenated along dim 0 (output rows) so q/k/v and gate/up each run as a single matmul.
@@ -274,8 +273,8 @@ _TOP_SLOTS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
 def _check_arch(config) -> None:
     """Refuse what the compact forward pass does not implement, before any work."""
     mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(f"EmbeddedEngine supports model_type {SUPPORTED_MODEL_TYPES}, got {mt!r}")
+    if mt not in SUPPORTED_MODELS:
+        raise NotImplementedError(f"EmbeddedEngine supports model_type {tuple(SUPPORTED_MODELS)}, got {mt!r}")
     if config.hidden_act != "silu":
         raise NotImplementedError(f"EmbeddedEngine: hidden_act {config.hidden_act!r} (only 'silu')")
     rope = getattr(config, "rope_parameters", None) or {}
