@@ -18,8 +18,8 @@ from agent import load_env
 from data.rewards import load_reward
 from data.tasks import check_lengths
 from moe import is_moe
-from parallel import check_tp
-from rollout import SUPPORTED_MODEL_TYPES, Sampling
+from parallel import SUPPORTED_MODELS, check_tp
+from rollout import Sampling
 from runlog import safetensors_problem
 
 
@@ -293,9 +293,9 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
     """What can be checked of the model folder and the data without loading weights; returns the tokenizer."""
     name = f"--model {path}" if cfg.model else f"the default model {path}"
     mc = AutoConfig.from_pretrained(path)
-    if mc.model_type not in SUPPORTED_MODEL_TYPES:
+    if mc.model_type not in SUPPORTED_MODELS:
         raise ValueError(f"{name}: model type {mc.model_type!r} is not supported (the engine, the TP plan and the critic "
-                         f"implement {', '.join(SUPPORTED_MODEL_TYPES)})")
+                         f"implement {', '.join(SUPPORTED_MODELS)})")
     if cfg.routing_replay and not is_moe(mc):
         raise ValueError(f"--routing-replay: {name} is not a mixture of experts (model type {mc.model_type!r})")
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

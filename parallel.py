@@ -33,14 +33,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from moe import is_moe, shard_experts
 
-# The plan below relies on these classes' module names and on their attention reshaping with
-# ``view(*shape, -1, head_dim)``, which makes a rank's q/k/v projection output read as its local heads.
-SUPPORTED_MODELS = (
-    "LlamaForCausalLM", "LlamaForTokenClassification",
-    "Qwen2ForCausalLM", "Qwen2ForTokenClassification",
-    "Qwen3ForCausalLM", "Qwen3ForTokenClassification",
-    "Qwen3MoeForCausalLM", "Qwen3MoeForTokenClassification",  # experts placed per rank: moe.shard_experts
-)
+# The models the project implements (the TP plan, rollout.EmbeddedEngine's forward pass, the critic): Hugging Face
+# model_type -> class-name prefix. The plan below relies on their module names and on their attention reshaping with
+# ``view(*shape, -1, head_dim)``, which makes a rank's q/k/v projection output read as its local heads. Qwen3-MoE's
+# experts are placed per rank (moe.shard_experts).
+SUPPORTED_MODELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
+_TP_CLASSES = tuple(f"{prefix}For{head}" for prefix in SUPPORTED_MODELS.values() for head in ("CausalLM", "TokenClassification"))
 
 
 # ----------------------------------------------------------------------------- runtime
@@ -107,8 +105,8 @@ def make_mesh(rt: Runtime, tp: int) -> DeviceMesh | None:
 def check_tp(model: nn.Module, tp: int) -> None:
     """Raise a ValueError if ``parallelize`` cannot split ``model`` over ``tp`` ranks (before any work)."""
     name = type(model).__name__
-    if name not in SUPPORTED_MODELS:
-        raise ValueError(f"tensor parallelism does not cover {name}; supported: {', '.join(SUPPORTED_MODELS)}")
+    if name not in _TP_CLASSES:
+        raise ValueError(f"tensor parallelism does not cover {name}; supported: {', '.join(_TP_CLASSES)}")
     cfg = model.config
     sizes = {
         "num_attention_heads": cfg.num_attention_heads,

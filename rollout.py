@@ -13,11 +13,8 @@ left-pads the prompts to a common length P and appends the responses, so the res
 row starts at column P, and the model's outputs at columns `b.keep` = P - 1 .. P + T - 2 predict the
 response tokens: log-probs [B, T] aligned with ro.infer_logp (train_ppo.response_logprobs).
 
-`EmbeddedEngine` runs its own compact forward pass (gpt-fast style: SDPA, RoPE, GQA, a preallocated KV cache) over
-copies of the weights of a Hugging Face Llama / Qwen2 / Qwen3 causal LM: no mask builders or cache objects per step,
-q/k/v and gate/up as one matmul each, one prefill per prompt shared by its n samples (bench/bench_rollout.py). Its
-precision knobs (`dtype` bf16 / fp8 / int4, `kv_cache_dtype` fp8) reproduce the mismatch of real quantised engines
-against an fp32 trainer (bench/bench_mismatch.py).
+The trainer gets its engine from `make_engine` (embedded, or SGLang: sglang_engine.py) and pushes the policy's weights
+with `push_weights`.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import losses
-import moe
+from decoder import LAYER_SLOTS, TOP_SLOTS, Decoder, check_arch
 from parallel import full_weights
 
 
@@ -245,73 +242,19 @@ def fake_quant_int4(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> Tensor:
     g = w.float().reshape(rows, cols // group_size, group_size)
     s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7  # the clamp only guards all-zero groups
     return ((g / s).round().clamp(-8, 7) * s).reshape(rows, cols).to(w.dtype)
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-
-# HF name inside a decoder layer -> (slot in the engine's per-layer store, part index). Parts of one slot
-# are concatenated along dim 0 (output rows) so q/k/v and gate/up each run as a single matmul.
-_LAYER_SLOTS = {
-    "input_layernorm.weight": ("ln1", 0),
-    "self_attn.q_proj.weight": ("qkv", 0),
-    "self_attn.k_proj.weight": ("qkv", 1),
-    "self_attn.v_proj.weight": ("qkv", 2),
-    "self_attn.q_norm.weight": ("qn", 0),
-    "self_attn.k_norm.weight": ("kn", 0),
-    "self_attn.o_proj.weight": ("o", 0),
-    "post_attention_layernorm.weight": ("ln2", 0),
-    "mlp.gate_proj.weight": ("gu", 0),
-    "mlp.up_proj.weight": ("gu", 1),
-    "mlp.down_proj.weight": ("down", 0),
-    "mlp.gate.weight": ("router", 0),  # Qwen3-MoE: the router [E, H] and the fused experts [E, 2I, H], [E, H, I]
-    "mlp.experts.gate_up_proj": ("egu", 0),
-    "mlp.experts.down_proj": ("edown", 0),
-}
-# Each projection's bias (Qwen2 has q/k/v biases) goes to its weight's slot + "_b", same part.
-_LAYER_SLOTS |= {k.replace(".weight", ".bias"): (slot + "_b", part) for k, (slot, part) in _LAYER_SLOTS.items() if slot in ("qkv", "o", "gu", "down")}
-_LAYER_KEYS = ("ln1", "qkv", "qkv_b", "qn", "kn", "o", "o_b", "ln2", "gu", "gu_b", "down", "down_b", "router", "egu", "edown")
-_TOP_SLOTS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
-
-
-def _check_arch(config) -> None:
-    """Refuse what the compact forward pass does not implement, before any work."""
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(f"EmbeddedEngine supports model_type {SUPPORTED_MODEL_TYPES}, got {mt!r}")
-    if config.hidden_act != "silu":
-        raise NotImplementedError(f"EmbeddedEngine: hidden_act {config.hidden_act!r} (only 'silu')")
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
-        raise NotImplementedError(f"EmbeddedEngine: only default RoPE (no rope scaling), got rope_parameters={rope}")
-    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
-        raise NotImplementedError("EmbeddedEngine: partial_rotary_factor != 1 is not implemented")
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise NotImplementedError(f"EmbeddedEngine: only full attention layers, got {sorted(kinds)}")
-
-
-def _rmsnorm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    # The HF order: normalise in fp32, cast back, then scale (matters in bf16).
-    return w * F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
-
 
 class EmbeddedEngine:
-    """Batched sampler over a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM, with its own forward pass.
+    """Batched sampler over a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM, with its own compact forward pass
+    (decoder.py) over copies of the weights and one prefill per prompt shared by its n samples (bench/bench_rollout.py).
+    An MoE engine routes like HF and records the experts of every input position (Rollout.routing).
 
     model_or_path: a loaded HF model (its weights are copied, so later trainer steps do not leak in) or a
         folder written by save_pretrained.
-    dtype: "fp32"; "bf16" (weights and compute in bf16, log-probs in fp32 from bf16 logits); "fp8" (bf16
-        compute with the decoder's Linear weights fake-quantised to float8_e4m3fn, one scale per output
-        channel, as FP8 rollouts do; embeddings, lm_head and norms stay bf16, as vLLM/SGLang keep them);
-        "int4" (the same, with weight-only symmetric int4 in groups of 32 input elements: fake_quant_int4,
-        the FlashRL / GPTQ rule; every decoder Linear's input size must be a multiple of 32). MoE experts are
-        quantised like Linear weights, each expert on its own; the router stays in the compute dtype.
-        An MoE engine routes like HF (softmax in fp32, top-k, optional renormalisation) and records the experts
-        of every input position: Rollout.routing.
-    kv_cache_dtype: "auto" (the compute dtype) or "fp8": keys and values are stored as float8_e4m3fn with
-        a fixed scale of 1.0, what SGLang / vLLM do when the checkpoint has no calibrated k/v scales (the
-        buffer really is fp8: half the bytes of bf16). Attention always reads keys and values at the
-        cache's precision, the prefill's attention over the prompt and `logits()` included, so every
-        position sees the same k/v whichever pass computed it and `logits()` equals generate's log-probs
-        (SGLang's prefill differs here: see sglang_engine.py).
+    dtype, kv_cache_dtype: the precision knobs that reproduce a quantised engine's mismatch against an fp32 trainer
+        (docs/algorithms.md, section 16): "fp32", "bf16", or bf16 compute over decoder Linear weights and experts
+        fake-quantised to "fp8" (per output channel) or "int4" (groups of 32 input elements); a KV cache in the
+        compute dtype ("auto") or "fp8", which attention reads at that precision everywhere, the prefill and
+        `logits()` included, so `logits()` equals generate's log-probs.
     max_batch_tokens: KV-cache capacity in tokens; a batch of B rows of prompt + response length S runs
         in chunks of max_batch_tokens // S rows (the draws do not depend on the chunking).
     """
@@ -329,16 +272,12 @@ class EmbeddedEngine:
 
             model_or_path = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=torch.float32)
         c = model_or_path.config
-        _check_arch(c)
+        check_arch(c)
         self.config, self.dtype_name, self.dtype = c, dtype, DTYPES[dtype]
         self.kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else self.dtype
         self.device, self.max_batch_tokens = torch.device(device), max_batch_tokens
-        self.n_layers, self.n_heads, self.n_kv = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.vocab_size, self.max_positions, self.eps = c.vocab_size, c.max_position_embeddings, c.rms_norm_eps
-        self.tied = bool(c.tie_word_embeddings)
-        self.top_k, self.norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
-        self.scale = self.head_dim**-0.5  # what HF and SDPA use
+        self.vocab_size, self.max_positions, self.tied = c.vocab_size, c.max_position_embeddings, bool(c.tie_word_embeddings)
+        self.lm = Decoder(c, self.dtype, self.kv_dtype, self.device)
 
         # name -> (store key, row range within it); the store holds the fused, precision-transformed weights.
         parts: dict[str, list[tuple[int, str, Tensor]]] = {}
@@ -347,11 +286,11 @@ class EmbeddedEngine:
             if name == "lm_head.weight" and self.tied:
                 continue  # the embedding itself (state_dict lists it, save_pretrained does not)
             m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-            if m and m.group(2) in _LAYER_SLOTS:
-                slot, part = _LAYER_SLOTS[m.group(2)]
+            if m and m.group(2) in LAYER_SLOTS:
+                slot, part = LAYER_SLOTS[m.group(2)]
                 key = f"{m.group(1)}.{slot}"
-            elif name in _TOP_SLOTS:
-                key, part = _TOP_SLOTS[name], 0
+            elif name in TOP_SLOTS:
+                key, part = TOP_SLOTS[name], 0
             else:
                 raise NotImplementedError(f"EmbeddedEngine: unsupported parameter {name!r} in a {c.model_type} model")
             parts.setdefault(key, []).append((part, name, self._transform(name, t)))
@@ -363,17 +302,9 @@ class EmbeddedEngine:
             for _, name, t in ps:
                 self._where[name] = (key, slice(row, row + t.size(0)))
                 row += t.size(0)
-
-        # RoPE tables for every position, computed like HF (fp32 angles, then cast to the compute dtype).
-        D, theta = self.head_dim, c.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float) / D))
-        freqs = torch.arange(self.max_positions).float()[:, None] * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos = emb.cos().to(self.device, self.dtype)
-        self._sin_signed = torch.cat((-emb[:, : D // 2].sin(), emb[:, D // 2 :].sin()), dim=-1).to(self.device, self.dtype)
         self._kv: Tensor | None = None  # flat KV-cache buffer, allocated on first use, grown on demand
         self._asleep = self._closed = False
-        self._bind()
+        self.lm.bind(self._store, self.tied)
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -390,21 +321,16 @@ class EmbeddedEngine:
             t = (fake_quant_fp8 if kind == "fp8" else fake_quant_int4)(w).view(t.shape)
         return t.to(self.dtype)
 
-    def _bind(self) -> None:
-        """Per-layer weight tuples for the hot loop (rebuilt when the store moves)."""
-        s = self._store
-        self._layers = [tuple(s.get(f"{i}.{k}") for k in _LAYER_KEYS) for i in range(self.n_layers)]
-        self._embed, self._norm = s["embed"], s["norm"]
-        self._lm_head = s["embed"] if self.tied else s["lm_head"]
-
-    def _view(self, name: str, caller: str) -> Tensor:
-        if name == "lm_head.weight" and self.tied:
-            name = "model.embed_tokens.weight"
-        if name not in self._where:
+    def _view(self, name: str, caller: str, shape: torch.Size | None = None) -> Tensor:
+        """The engine's copy of HF parameter `name`, checked against a full tensor's shape when given."""
+        key, rows = self._where.get("model.embed_tokens.weight" if name == "lm_head.weight" and self.tied else name, (None, None))
+        if key is None:
             raise ValueError(f"{caller}: unknown parameter {name!r} (expected Hugging Face state_dict names, "
                              f"e.g. 'model.layers.0.mlp.up_proj.weight')")
-        key, rows = self._where[name]
-        return self._store[key][rows]
+        have = self._store[key][rows]
+        if shape is not None and tuple(shape) != tuple(have.shape):
+            raise ValueError(f"{caller}: {name!r} has shape {tuple(shape)}, the engine holds {tuple(have.shape)}")
+        return have
 
     @torch.no_grad()  # not inference_mode: the tensors may come from a generator running collectives (DTensor gathers)
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -415,10 +341,7 @@ class EmbeddedEngine:
         """
         self._check_open("update_weights")
         for name, t in named_tensors:
-            dst = self._view(name, "update_weights")
-            if tuple(t.shape) != tuple(dst.shape):
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(self._transform(name, t))
+            self._view(name, "update_weights", t.shape).copy_(self._transform(name, t))
 
     @torch.inference_mode()
     def check_weights(self, named_tensors: Iterable[tuple[str, Tensor]], atol: float = 0.0) -> int:
@@ -427,9 +350,7 @@ class EmbeddedEngine:
         self._check_open("check_weights")
         count = 0
         for name, t in named_tensors:
-            have = self._view(name, "check_weights")
-            if tuple(t.shape) != tuple(have.shape):
-                raise ValueError(f"check_weights: {name!r} has shape {tuple(t.shape)}, the engine holds {tuple(have.shape)}")
+            have = self._view(name, "check_weights", t.shape)
             diff = (have.float() - self._transform(name, t).float().to(have.device)).abs().max().item()
             if not diff <= atol:
                 raise ValueError(f"check_weights: {name!r} differs from the engine's copy (max abs diff {diff:.3g} > {atol})")
@@ -450,7 +371,7 @@ class EmbeddedEngine:
         self._kv = None
         if cuda:
             self._store = {k: v.to("cpu") for k, v in self._store.items()}
-            self._bind()  # drop the hot-loop references to the CUDA tensors too
+            self.lm.bind(self._store, self.tied)  # drop the hot-loop references to the CUDA tensors too
             torch.cuda.empty_cache()
             released = before - torch.cuda.memory_allocated(self.device)
         self._asleep = True
@@ -461,13 +382,12 @@ class EmbeddedEngine:
         self._check_open("wake")
         if self._asleep and self.device.type == "cuda":
             self._store = {k: v.to(self.device) for k, v in self._store.items()}
-            self._bind()
+            self.lm.bind(self._store, self.tied)
         self._asleep = False
 
     def shutdown(self) -> None:
         """Drop weights and cache; every later call raises."""
-        self._store, self._layers, self._kv = {}, [], None
-        self._embed = self._norm = self._lm_head = None
+        self._store, self.lm, self._kv = {}, None, None
         self._closed = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -478,69 +398,13 @@ class EmbeddedEngine:
 
     def _kv_cache(self, B: int, S: int) -> list[tuple[Tensor, Tensor]]:
         """Views [B, n_kv, S, D] (keys, values) per layer into the preallocated flat buffer (in kv_dtype)."""
-        shape = (self.n_layers, 2, B, self.n_kv, S, self.head_dim)
+        shape = (self.lm.n_layers, 2, B, self.lm.n_kv, S, self.lm.head_dim)
         need = math.prod(shape)
         if self._kv is None or self._kv.numel() < need:
             self._kv = None  # free the old buffer before allocating the larger one
             self._kv = torch.empty(need, dtype=self.kv_dtype, device=self.device)
         kv = self._kv[:need].view(shape)
-        return [(kv[i, 0], kv[i, 1]) for i in range(self.n_layers)]
-
-    # ---- forward ---------------------------------------------------------------------------------
-
-    def _forward(self, ids: Tensor, pos: Tensor, attn_mask: Tensor | None, kv=None, start: int = 0, routes: list | None = None) -> Tensor:
-        """Final hidden states [B, S, hidden] for ids [B, S] at rope positions pos [B, S]; an MoE model appends each
-        layer's experts [B, S, k] to ``routes`` when given.
-
-        start == 0 (a whole sequence, prefill): attention over these S tokens; attn_mask is None (plain
-            causal) or additive float [B, 1, S, S] (0 = attend, -inf = masked). With kv the keys and
-            values are also written to cache slots 0..S.
-        start > 0 (one decode step, S == 1): the new key/value go to cache slot `start`, attention reads
-            slots 0..start; attn_mask is additive float [B * n_kv, 1, start + 1].
-        """
-        B, S = ids.shape
-        H, K, D = self.n_heads, self.n_kv, self.head_dim
-        cos, sin = self._cos[pos].unsqueeze(2), self._sin_signed[pos].unsqueeze(2)  # [B, S, 1, D]
-        x = F.embedding(ids, self._embed)
-        for i, (ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, router, egu, edown) in enumerate(self._layers):
-            qkv = F.linear(_rmsnorm(x, ln1, self.eps), qkv_w, qkv_b).view(B, S, H + 2 * K, D)
-            qk, v = qkv[:, :, : H + K], qkv[:, :, H + K :]
-            if qn is not None:  # Qwen3: RMSNorm over head_dim of each q and k head, before RoPE
-                qk = torch.cat((_rmsnorm(qk[:, :, :H], qn, self.eps), _rmsnorm(qk[:, :, H:], kn, self.eps)), dim=2)
-            # RoPE on q and k heads at once: HF's x * cos + rotate_half(x) * sin, where rotate_half(x) =
-            # cat(-x2, x1) = roll(x, D/2) * (-1 on the first half), the sign folded into _sin_signed.
-            qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
-            q, k = qk.transpose(1, 2).split((H, K), dim=1)  # [B, H | K, S, D]
-            v = v.transpose(1, 2)
-            if self.kv_dtype != self.dtype:
-                # fp8 KV cache, scale 1.0 (dividing / multiplying by it is exact, so it is left out): round
-                # k and v through float8_e4m3fn here, so the prefill's attention (and logits(), which has no
-                # cache) sees what decode steps read back from the cache; the cache writes below are exact.
-                k, v = k.to(self.kv_dtype).to(self.dtype), v.to(self.kv_dtype).to(self.dtype)
-            if kv is not None:
-                k_cache, v_cache = kv[i]
-                k_cache[:, :, start : start + S] = k
-                v_cache[:, :, start : start + S] = v
-            if start == 0:
-                a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                                   enable_gqa=K != H)
-                a = a.transpose(1, 2).reshape(B, S, H * D)
-            else:
-                # Decode: the H // K query heads sharing a KV head are that head's query rows, so one
-                # batched matmul per side and no KV repeat; [B, K, slots, D] -> [B * K, slots, D] is a view.
-                # An fp8 cache is read back in the compute dtype (.to is a no-op for the "auto" cache).
-                keys = k_cache[:, :, : start + 1].reshape(B * K, start + 1, D).to(self.dtype)
-                values = v_cache[:, :, : start + 1].reshape(B * K, start + 1, D).to(self.dtype)
-                scores = torch.baddbmm(attn_mask, q.reshape(B * K, H // K, D), keys.transpose(1, 2), alpha=self.scale)
-                a = torch.bmm(scores.softmax(-1), values).view(B, 1, H * D)
-            x = x + F.linear(a, o_w, o_b)
-            h = _rmsnorm(x, ln2, self.eps)
-            if router is None:
-                gate, up = F.linear(h, gu_w, gu_b).chunk(2, dim=-1)
-                x = x + F.linear(F.silu(gate) * up, down_w, down_b)
-            else:
-                x = x + moe.sparse_block(h, router, egu, edown, self.top_k, self.norm_topk, routes)
-        return _rmsnorm(x, self._norm, self.eps)
+        return [(kv[i, 0], kv[i, 1]) for i in range(self.lm.n_layers)]
 
     @torch.inference_mode()
     def logits(self, input_ids: Tensor) -> Tensor:
@@ -549,7 +413,7 @@ class EmbeddedEngine:
         self._check_ready("logits")
         ids = input_ids.to(self.device)
         pos = torch.arange(ids.size(1), device=self.device).expand_as(ids)
-        return F.linear(self._forward(ids, pos, None), self._lm_head).float()
+        return F.linear(self.lm.forward(ids, pos, None), self.lm.lm_head).float()
 
     # ---- sampling --------------------------------------------------------------------------------
 
@@ -558,32 +422,27 @@ class EmbeddedEngine:
         if self._asleep:
             raise RuntimeError(f"EmbeddedEngine.{caller}: the engine is asleep; call wake() first")
 
-    def _check_prompts(self, prompt_ids, sampling: Sampling) -> None:
-        check_request(prompt_ids, sampling, self.vocab_size, self.max_positions)
-        need = (max(len(p) for p in prompt_ids) + sampling.max_new_tokens) * sampling.n
-        if need > self.max_batch_tokens:
-            raise ValueError(f"generate: the n={sampling.n} rows of one prompt need {need} KV slots > max_batch_tokens="
-                             f"{self.max_batch_tokens}; raise max_batch_tokens")
-
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout:
         """Sample sampling.n responses per prompt. Returns a Rollout with B = len(prompt_ids) * n rows."""
         self._check_ready("generate")
-        self._check_prompts(prompt_ids, sampling)
-        prompts = [list(p) for p in prompt_ids]
+        check_request(prompt_ids, sampling, self.vocab_size, self.max_positions)
+        prompts, n = [list(p) for p in prompt_ids], sampling.n
+        P = max(len(p) for p in prompts)
+        # A prompt's n samples stay in one chunk: its prefill runs once and is copied to the n rows.
+        per_chunk = self.max_batch_tokens // ((P + sampling.max_new_tokens) * n)
+        if per_chunk == 0:
+            raise ValueError(f"generate: the n={n} rows of one prompt need {(P + sampling.max_new_tokens) * n} KV slots > "
+                             f"max_batch_tokens={self.max_batch_tokens}; raise max_batch_tokens")
         # One uniform per (row, step), from row r's own generator (seed + r, or seeds[r]): draws do not depend on
         # the batch composition or on how it is chunked (max_batch_tokens).
-        rows = len(prompts) * sampling.n
-        u = torch.stack([torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(sampling.row_seed(r))) for r in range(rows)])
-        # A prompt's n samples stay in one chunk: its prefill runs once and is copied to the n rows.
-        row_tokens = max(len(p) for p in prompts) + sampling.max_new_tokens
-        per_chunk = self.max_batch_tokens // (row_tokens * sampling.n)
-        P = max(len(p) for p in prompts)
-        outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * sampling.n : (i + per_chunk) * sampling.n].to(self.device), P)
+        u = torch.stack([torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(sampling.row_seed(r)))
+                         for r in range(len(prompts) * n)])
+        outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * n : (i + per_chunk) * n].to(self.device), P)
                 for i in range(0, len(prompts), per_chunk)]
-        ro = Rollout.from_ragged([t for o in outs for t in o[0]], [p for p in prompts for _ in range(sampling.n)],
+        ro = Rollout.from_ragged([t for o in outs for t in o[0]], [p for p in prompts for _ in range(n)],
                                  [r for o in outs for r in o[2]], infer_logp=[lp for o in outs for lp in o[1]])
-        if self.top_k:  # a chunk's routing [b, P + its longest response, L, k], right-padded to to_batch's P + T columns
+        if self.lm.top_k:  # a chunk's routing [b, P + its longest response, L, k], right-padded to to_batch's P + T columns
             ro.routing = torch.cat([F.pad(o[3], (0, 0, 0, 0, 0, P + ro.tokens.size(1) - o[3].size(1)), value=-1) for o in outs])
         return ro
 
@@ -591,7 +450,7 @@ class EmbeddedEngine:
         """Rows are the prompts, each repeated s.n times; uniforms [B, N] drive the draws. Returns per row its CPU
         response tokens and log-probs, the finish reasons, and an MoE's routing [B, width + T, L, k] (width: the longest
         prompt of the whole generate call, for to_batch's columns)."""
-        dev, n, N, K = self.device, s.n, s.max_new_tokens, self.n_kv
+        dev, n, N, K = self.device, s.n, s.max_new_tokens, self.lm.n_kv
         B = len(prompts) * n
         lens = torch.tensor([len(p) for p in prompts])
         P = int(lens.max())
@@ -617,13 +476,13 @@ class EmbeddedEngine:
         # Prefill each distinct prompt once, into the cache rows of its first sample (rows 0, n, 2n, ...),
         # then copy those slots to the prompt's other n - 1 rows.
         kv = self._kv_cache(B, P + N)
-        routes, steps = ([], []) if self.top_k else (None, None)  # MoE: each layer's experts per input position
-        h = self._forward(ids.to(dev), pos[::n, :P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], 0, routes)
+        routes, steps = ([], []) if self.lm.top_k else (None, None)  # MoE: each layer's experts per input position
+        h = self.lm.forward(ids.to(dev), pos[::n, :P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], 0, routes)
         if n > 1:
             for cache in (c for pair in kv for c in pair):
                 grouped = cache.view(B // n, n, *cache.shape[1:])[:, :, :, :P]
                 grouped[:, 1:] = grouped[:, :1]
-        logits = F.linear(h[:, -1], self._lm_head).repeat_interleave(n, dim=0)  # [B, V]
+        logits = F.linear(h[:, -1], self.lm.lm_head).repeat_interleave(n, dim=0)  # [B, V]
 
         stop = torch.tensor(s.stop_token_ids, dtype=torch.long, device=dev)
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
@@ -648,10 +507,10 @@ class EmbeddedEngine:
             if t == N - 1 or bool(done.all()):
                 break
             r = None if steps is None else []
-            h = self._forward(tok, pos[:, P + t : P + t + 1], decode_mask[..., : P + t + 1], kv, P + t, r)
+            h = self.lm.forward(tok, pos[:, P + t : P + t + 1], decode_mask[..., : P + t + 1], kv, P + t, r)
             if r is not None:
                 steps.append(torch.stack(r, 2))  # [B, 1, L, k]: response token t as input
-            logits = F.linear(h[:, -1], self._lm_head)
+            logits = F.linear(h[:, -1], self.lm.lm_head)
         T = t + 1
         mask = alive[:, :T]
         finish = ["stop" if d else "length" for d in done.tolist()]
@@ -676,13 +535,11 @@ def make_engine(cfg, path: str, device: torch.device) -> Engine:
     if cfg.engine == "sglang":
         from sglang_engine import SGLangEngine  # sglang_engine imports this module, and SGLang is optional
 
-        # --seed seeds SGLang's sampling stream (on CPU the only seed it honours; see sglang_engine's docstring).
-        if device.type != "cuda":
-            return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed)
         # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
         # memory is released in sleep() during training, but its reservation is sized at start).
-        return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed,
-                            base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION)
+        gpu = dict(base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION) if device.type == "cuda" else {}
+        # --seed seeds SGLang's sampling stream (on CPU the only seed it honours; see sglang_engine's docstring).
+        return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed, **gpu)
     return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device)
 
 

@@ -84,7 +84,6 @@ def math_reward(completions: list[str], *, answer: list[str], **columns) -> list
     return out
 
 
-BUILTIN = {"exact": exact, "math": math_reward}
 SPEC_FORMS = "'' or 'exact' (exact match), 'math', 'path/to/file.py:function' or 'package.module:function'"
 
 

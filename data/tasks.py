@@ -27,7 +27,7 @@ import datasets
 import pyarrow.parquet
 
 from data.guess import MAX_TURNS, GuessEnv, guess_rows
-from data.rewards import exact, exact_match_reward  # noqa: F401  (exact_match_reward: re-exported)
+from data.rewards import exact
 
 
 @dataclass

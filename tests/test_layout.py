@@ -1,0 +1,123 @@
+"""The project's layers, read from the source with `ast`: every import of a project module (at the top of a file or
+inside a function) points down the layers or within a layer, never into a cycle; no module passes 600 lines; losses.py
+imports torch (and einops) only.
+
+Layers, bottom to top, and why in this order:
+- losses, moe, parallel, decoder: tensor math, the device mesh, the embedded engine's model.
+- data.rewards, data.guess, data.tasks: prompts, environments and rewards; no model or engine code, and agent.py needs
+  data.rewards (--env shares --reward's plug-in loader), so they sit below the engines.
+- rollout: the engine interface, the embedded engine, make_engine and the weight push.
+- sglang_engine, agent: the other engine and the multi-turn driver, both on rollout's interface.
+- data.tiny: the default model, warmed up on demonstrations played through agent and the embedded engine.
+- config, runlog, evaluation, value_model: the run (options and checks, run folder, held-out evaluation, the critic).
+- train_ppo: the loop.
+
+The one import allowed to point up: rollout.make_engine imports sglang_engine in its SGLang branch (SGLang is
+optional, and sglang_engine imports rollout). Other function-level imports of project modules count like top-level ones.
+"""
+
+import ast
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS = [
+    ("losses", "moe", "parallel", "decoder"),
+    ("data.rewards", "data.guess", "data.tasks"),
+    ("rollout",),
+    ("sglang_engine", "agent"),
+    ("data.tiny",),
+    ("config", "runlog", "evaluation", "value_model"),
+    ("train_ppo",),
+]
+LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+LAZY_UP = {("rollout", "make_engine", "sglang_engine")}  # (module, function, imported module)
+MAX_LINES = 600
+
+
+def path_of(module: str) -> str:
+    return os.path.join(REPO, *module.split(".")) + ".py"
+
+
+def project_modules() -> set[str]:
+    """Every module of the project: the .py files at the root and in data/."""
+    found = {f[:-3] for f in os.listdir(REPO) if f.endswith(".py")}
+    return found | {"data." + f[:-3] for f in os.listdir(os.path.join(REPO, "data")) if f.endswith(".py")}
+
+
+def imports(module: str) -> list[tuple[str, str | None]]:
+    """(imported name, enclosing function or None) for every import statement in the module, at any depth; a
+    `from package import name` also yields package.name (a submodule such as data.guess)."""
+    found = []
+
+    def visit(node, func):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            if isinstance(child, ast.Import):
+                found.extend((a.name, func) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module != "__future__":
+                found.append((child.module, func))
+                found.extend((f"{child.module}.{a.name}", func) for a in child.names)
+            visit(child, inner)
+
+    with open(path_of(module)) as f:
+        visit(ast.parse(f.read()), None)
+    return found
+
+
+def graph(modules) -> dict[str, set[str]]:
+    """module -> the project modules it imports (LAZY_UP left out)."""
+    return {m: {name for name, func in imports(m) if name in modules and name != m and (m, func, name) not in LAZY_UP}
+            for m in modules}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    state, stack = {}, []
+
+    def dfs(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == "open":
+                return stack[stack.index(n):] + [n]
+            if n not in state and (cycle := dfs(n)):
+                return cycle
+        state[m] = "done"
+        stack.pop()
+        return None
+
+    return next((c for m in sorted(edges) if m not in state and (c := dfs(m))), None)
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {n}" for m, ns in edges.items() for n in ns if LAYER[n] > LAYER[m])
+
+
+def test_every_module_has_a_layer():
+    assert project_modules() == set(LAYER), "place each module in LAYERS (and nothing that does not exist)"
+
+
+def test_no_import_cycle():
+    assert find_cycle(graph(project_modules())) is None
+
+
+def test_imports_point_down_the_layers():
+    assert upward(graph(project_modules())) == []
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_arrow():
+    ring = {"rollout": {"agent"}, "agent": {"data.tasks"}, "data.tasks": {"rollout"}}
+    assert find_cycle(ring) == ["agent", "data.tasks", "rollout", "agent"]
+    assert find_cycle({"rollout": {"losses"}, "agent": {"rollout", "losses"}}) is None
+    assert upward({"losses": {"rollout"}, "rollout": {"losses"}}) == ["losses -> rollout"]
+
+
+def test_no_module_over_600_lines():
+    lines = {m: sum(1 for _ in open(path_of(m))) for m in project_modules()}
+    assert {m: n for m, n in lines.items() if n > MAX_LINES} == {}
+
+
+def test_losses_imports_torch_and_the_standard_library_only():
+    names = {name.split(".")[0] for name, _ in imports("losses")}
+    assert names - {"torch", "einops"} - set(sys.stdlib_module_names) == set()
