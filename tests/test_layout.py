@@ -9,7 +9,8 @@ Layers, bottom to top, and why in this order:
 - rollout: the engine interface, the embedded engine, make_engine and the weight push.
 - sglang_engine, agent: the other engine and the multi-turn driver, both on rollout's interface.
 - data.tiny: the default model, warmed up on demonstrations played through agent and the embedded engine.
-- config, runlog, evaluation, value_model: the run (options and checks, run folder, held-out evaluation, the critic).
+- config, runlog, evaluation, value_model, forward: the run (options and checks, run folder and metrics, held-out
+  evaluation, the critic, the trainer's forwards).
 - train_ppo: the loop.
 
 The one import allowed to point up: rollout.make_engine imports sglang_engine in its SGLang branch (SGLang is
@@ -27,7 +28,7 @@ LAYERS = [
     ("rollout",),
     ("sglang_engine", "agent"),
     ("data.tiny",),
-    ("config", "runlog", "evaluation", "value_model"),
+    ("config", "runlog", "evaluation", "value_model", "forward"),
     ("train_ppo",),
 ]
 LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
