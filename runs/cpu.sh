@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # The main job (`make train`): IcePop PPO with a critic on the embedded tiny model, fixed-width addition,
-# 2 CPU processes under torchrun (data parallel 2). Extra arguments are appended (they win).
+# 2 CPU processes under torchrun (data parallel 2; NPROC=n for another count). Every Config field is written out
+# below, with its default unless the job sets it (--out-dir, --steps); tests/test_layout.py checks that the flags are
+# exactly Config's fields. The other presets in runs/ call this script with what differs. Extra arguments are
+# appended (they win).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1   # one thread per process: two processes on two cores, no spin-waiting
 PY=${PY:-.venv/bin/python}
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py \
+NPROC=${NPROC:-2}
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train_ppo.py \
   --model "" \
+  --tiny dense \
   --task addition \
+  --split train \
+  --prompt-key prompt \
+  --answer-key answer \
   --env "" \
   --max-turns 0 \
   --compact-at 0 \
+  --reward "" \
   --out-dir outputs/cpu \
   --steps 300 \
   --seed 0 \
@@ -53,9 +62,18 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py
   --max-new-tokens 0 \
   --engine embedded \
   --engine-dtype bf16 \
+  --kv-cache-dtype auto \
+  --no-routing-replay \
   --tp 1 \
+  --no-fsdp \
+  --shared-prefix \
+  --train-dtype auto \
   --eval-every 20 \
   --eval-size 500 \
+  --eval-task "" \
+  --eval-split test \
+  --eval-samples 1 \
+  --eval-dtype engine \
   --save-every 50 \
   --keep-checkpoints 2 \
   --no-wandb \

@@ -1,22 +1,16 @@
 #!/usr/bin/env bash
 # Multi-turn: IcePop PPO with a critic on `--task guess` (each turn a number, the environment answers < > ?), the
-# tiny model warmed up on noisy bisection (built and cached on first use), 2 CPU processes under torchrun.
+# tiny model warmed up on noisy bisection (built and cached on first use), 2 CPU processes: runs/cpu.sh with what differs.
 # The engine runs in fp32 here: on this CPU bf16 generation is 5.5x slower than fp32 (0.93 vs 5.16 CPU s for 32 episodes,
 # bench/bench_episodes.py), and this preset is about multi-turn credit, not mismatch.
 # Extra arguments are appended (they win): e.g. --algo grpo, --engine-dtype bf16, or --compact-at 100 for compaction.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1   # one thread per process: two processes on two cores, no spin-waiting
-PY=${PY:-.venv/bin/python}
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py \
+exec bash runs/cpu.sh \
   --task guess \
   --max-turns 6 \
-  --compact-at 0 \
   --engine-dtype fp32 \
   --out-dir outputs/guess \
   --steps 150 \
-  --rollout-batch 64 \
-  --critic-pretrain 100 \
   --eval-every 25 \
-  --eval-size 500 \
   "$@"

@@ -1,59 +1,10 @@
 #!/usr/bin/env bash
-# IcePop PPO with the policy and the critic tensor-parallel over 2 CPU processes (tp=2, dp=1), tiny model.
+# IcePop PPO with the policy and the critic tensor-parallel over 2 CPU processes (tp=2, dp=1), tiny model: runs/cpu.sh
+# with what differs. Extra arguments are appended (they win).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1   # one thread per process: two processes on two cores, no spin-waiting
-PY=${PY:-.venv/bin/python}
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py \
-  --model "" \
-  --task addition \
+exec bash runs/cpu.sh \
+  --tp 2 \
   --out-dir outputs/cpu_tp2 \
   --steps 200 \
-  --seed 0 \
-  --no-deterministic \
-  --algo ppo \
-  --correction icepop \
-  --icepop-low 0.5 \
-  --icepop-high 2.0 \
-  --tis-cap 2.0 \
-  --no-drop-masked-from-denominator \
-  --kl none \
-  --kl-coef 0.01 \
-  --gamma 1.0 \
-  --lam-policy 0.95 \
-  --lam-critic 1.0 \
-  --adaptive-lambda 0.0 \
-  --whiten-advantages \
-  --grpo-std \
-  --clip-low 0.2 \
-  --clip-high 0.28 \
-  --dual-clip 0.0 \
-  --agg token-mean \
-  --rollout-batch 64 \
-  --n-samples 0 \
-  --ppo-epochs 1 \
-  --minibatches 1 \
-  --micro-batch 64 \
-  --lr 0.0002 \
-  --critic-lr 0.0 \
-  --critic-updates 2 \
-  --critic-pretrain 100 \
-  --no-freeze-critic-attention \
-  --value-clip 0.2 \
-  --value-scale 0.5 \
-  --max-grad-norm 1.0 \
-  --max-bad-steps 3 \
-  --temperature 1.0 \
-  --top-k 0 \
-  --top-p 1.0 \
-  --max-new-tokens 0 \
-  --engine embedded \
-  --engine-dtype bf16 \
-  --tp 2 \
-  --eval-every 20 \
-  --eval-size 500 \
-  --save-every 50 \
-  --keep-checkpoints 2 \
-  --no-wandb \
-  --no-tensorboard \
   "$@"

@@ -1,6 +1,7 @@
 """The project's layers, read from the source with `ast`: every import of a project module (at the top of a file or
 inside a function) points down the layers or within a layer, never into a cycle; no module passes 600 lines; losses.py
-imports torch (and einops) only.
+imports torch (and einops) only. And the presets: runs/cpu.sh writes out every Config field, the others only what
+differs from it.
 
 Layers, bottom to top, and why in this order:
 - losses, moe, parallel, decoder: tensor math, the device mesh, the embedded engine's model.
@@ -18,7 +19,10 @@ optional, and sglang_engine imports rollout). Other function-level imports of pr
 """
 
 import ast
+import dataclasses
+import glob
 import os
+import shlex
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,3 +126,33 @@ def test_no_module_over_600_lines():
 def test_losses_imports_torch_and_the_standard_library_only():
     names = {name.split(".")[0] for name, _ in imports("losses")}
     assert names - {"torch", "einops"} - set(sys.stdlib_module_names) == set()
+
+
+def preset_args(path: str) -> list[str]:
+    """The arguments a runs/ script passes on (after train_ppo.py or runs/cpu.sh), up to its "$@"."""
+    with open(path) as f:
+        words = shlex.split(f.read().replace("\\\n", " "), comments=True)
+    start = next(i for i, w in enumerate(words) if w in ("train_ppo.py", "runs/cpu.sh")) + 1
+    return words[start : words.index("$@")]
+
+
+def test_cpu_preset_writes_out_every_config_field():
+    import tyro
+
+    from config import Config
+
+    args = preset_args(os.path.join(REPO, "runs", "cpu.sh"))
+    flags = [a[2:] for a in args if a.startswith("--")]
+    names = [f.name.replace("_", "-") for f in dataclasses.fields(Config)]
+    bools = {f.name.replace("_", "-") for f in dataclasses.fields(Config) if f.type in ("bool", bool)}
+    given = [f[3:] if f.startswith("no-") and f[3:] in bools else f for f in flags]
+    assert sorted(given) == sorted(names), f"missing {sorted(set(names) - set(given))}, unknown {sorted(set(given) - set(names))}"
+    tyro.cli(Config, args=args)  # and every value parses
+
+
+def test_other_presets_list_only_what_differs_from_cpu_sh():
+    for path in sorted(set(glob.glob(os.path.join(REPO, "runs", "*.sh"))) - {os.path.join(REPO, "runs", "cpu.sh")}):
+        with open(path) as f:
+            text = f.read()
+        assert "exec bash runs/cpu.sh" in text and "train_ppo.py" not in text, f"{path} must call runs/cpu.sh"
+        assert preset_args(path), path
