@@ -4,10 +4,6 @@ None rewards in PPO and GRPO, pass@k and maj@k, the samples file, and the run fr
 import itertools
 import json
 import math
-import os
-import re
-import subprocess
-import sys
 import time
 
 import datasets
@@ -15,13 +11,11 @@ import pytest
 import torch
 
 import losses as L
+from conftest import train_cli
 from data.rewards import extract_answer, load_reward, majority_correct, math_reward, pass_at_k
 from data.tasks import Task, check_lengths, encode_prompt, get_task, load_task, reward_columns, score
 from data.tiny import build_tokenizer
 from train_ppo import Config, denominator, resolve, whiten
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def addition_rows(n):
@@ -42,6 +36,7 @@ def fn(completions, *, prompts, answer, difficulty, **columns):
 '''
 
 
+@pytest.mark.e2e
 def test_command_line_run_with_own_reward_and_folder(tmp_path):
     """A save_to_disk folder with other field names and an extra column, a reward file: one PPO step from the
     command line; the reward receives `difficulty` by name, aligned with its prompts; pass@k, maj@k, the None
@@ -51,10 +46,9 @@ def test_command_line_run_with_own_reward_and_folder(tmp_path):
     datasets.Dataset.from_list(rows).save_to_disk(folder)
     (tmp_path / "reward.py").write_text(REWARD_FILE)
     out, log = tmp_path / "run", tmp_path / "calls.jsonl"
-    cmd = [sys.executable, "train_ppo.py", "--task", folder, "--prompt-key", "question", "--answer-key", "solution",
-           "--reward", f"{tmp_path / 'reward.py'}:fn", "--steps", "1", "--rollout-batch", "8", "--eval-size", "8",
-           "--critic-pretrain", "0", "--eval-samples", "4", "--out-dir", str(out)]
-    res = subprocess.run(cmd, cwd=REPO, env={**ENV, "BYO_LOG": str(log)}, capture_output=True, text=True, timeout=600)
+    res = train_cli("--task", folder, "--prompt-key", "question", "--answer-key", "solution", "--reward", f"{tmp_path / 'reward.py'}:fn",
+                    "--steps", "1", "--rollout-batch", "8", "--eval-size", "8", "--critic-pretrain", "0", "--eval-samples", "4",
+                    "--out-dir", out, env={"BYO_LOG": str(log)})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
     truth = {r["question"]: r["difficulty"] for r in rows}

