@@ -216,13 +216,7 @@ def test_env_loader_names_the_problem(tmp_path):
                       (f"{f}:Nope", "has no class 'Nope'"), (f"{f}:fn", "it is a function"), (f"{f}:NoStep", "has no step method")]:
         with pytest.raises(ValueError, match=msg):
             agent.load_env(spec)
-    assert agent.load_env("examples/env_retry.py:RetryEnv").__name__ == "RetryEnv"
-    with pytest.raises(ValueError, match="the environment's step"):
-        resolve(Config(task="guess", reward="math", out_dir=str(tmp_path / "o")), 1)
-    with pytest.raises(ValueError, match="--compact-at with --algo grpo is refused"):
-        resolve(Config(task="guess", algo="grpo", compact_at=100, out_dir=str(tmp_path / "o")), 1)
-    with pytest.raises(ValueError, match="apply to multi-turn tasks"):
-        resolve(Config(task="addition", max_turns=3, out_dir=str(tmp_path / "o")), 1)
+    assert agent.load_env("examples/env_retry.py:RetryEnv").__name__ == "RetryEnv"  # (multi-turn config refusals: test_refusals.py)
 
 
 def test_compaction_rows_carry_the_episode_return():

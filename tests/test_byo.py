@@ -154,9 +154,7 @@ def test_load_reward_errors_name_the_flag(tmp_path):
         (f"{f}:", "is not a reward"),
     ]:
         with pytest.raises(ValueError, match=r"--reward .*" + msg):
-            load_reward(spec)
-    with pytest.raises(ValueError, match="(?s)invalid configuration:.*--reward 'nonsense'"):
-        resolve(Config(reward="nonsense", out_dir=str(tmp_path / "o")), 1)
+            load_reward(spec)  # (resolve names it as a configuration error: test_refusals.py)
 
 
 def test_math_reward_extracts_and_verifies():

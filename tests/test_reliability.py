@@ -32,33 +32,7 @@ def model_copy(tmp_path, tiny_model_dir):
     return copy
 
 
-# ----------------------------------------------------------------------------- every option, before any work
-
-
-@pytest.mark.parametrize("kw,msg", [
-    (dict(lr=float("inf")), "--lr must be a finite number > 0, got inf"),
-    (dict(lr=float("nan")), "--lr must be a finite number > 0, got nan"),
-    (dict(critic_lr=float("nan")), "--critic-lr must be a finite number"),
-    (dict(max_grad_norm=0.0), "--max-grad-norm must be a finite number > 0"),
-    (dict(clip_low=-0.2), "--clip-low must be in"),
-    (dict(clip_high=-0.1), "--clip-high > 0"),
-    (dict(eval_size=0), "--eval-size must be >= 1"),
-    (dict(temperature=0.0), "--temperature must be a finite number > 0"),
-    (dict(top_p=2.0), r"--top-p must be in \(0, 1\]"),
-    (dict(top_k=-1), "--top-k must be an int >= 0"),
-    (dict(n_samples=-1), "--n-samples and --max-new-tokens must be >= 0"),
-    (dict(gamma=0.0), r"--gamma must be a finite number in \(0, 1\]"),
-    (dict(lam_policy=1.5), r"--lam-policy must be a finite number in \[0, 1\]"),
-])
-def test_bad_values_are_refused_by_flag(tmp_path, kw, msg):
-    with pytest.raises(ValueError, match=msg):
-        resolve(small(tmp_path, **kw), 1)
-
-
-def test_out_dir_that_is_a_file_is_refused(tmp_path):
-    (tmp_path / "f").write_text("")
-    with pytest.raises(ValueError, match="--out-dir .* exists and is not a folder"):
-        resolve(small(tmp_path / "f"), 1)
+# ----------------------------------------------------------------------------- bad input, before any work (the config table: test_refusals.py)
 
 
 def _break_config(path, **changes):

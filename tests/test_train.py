@@ -23,27 +23,7 @@ def rows(path):
     return read_metrics(path, volatile=False)
 
 
-# ----------------------------------------------------------------------------- refusals
-
-
-@pytest.mark.parametrize("kw,world,msg", [
-    (dict(tp=2), 3, "does not divide the 3 processes"),
-    (dict(algo="grpo", n_samples=1), 1, "needs --n-samples >= 2"),
-    (dict(rollout_batch=30, n_samples=4, algo="grpo"), 1, "groups of 4"),
-    (dict(rollout_batch=64, minibatches=3), 1, "do not split into --minibatches 3"),
-    (dict(kl="k3-loss", kl_coef=0.0), 1, "needs --kl-coef > 0"),
-    (dict(model="/no/such/model"), 1, "not a Hugging Face model folder"),
-    (dict(icepop_low=1.5), 1, "IcePop band"),
-    (dict(engine_dtype="fp8", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
-    (dict(engine_dtype="int4", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
-    (dict(critic_pretrain=-1), 1, "--critic-pretrain must be >= 0"),
-    (dict(fsdp=True, task="guess", compact_at=64), 2, "--fsdp with --compact-at is not supported"),
-    (dict(fsdp=True), 1, "--fsdp shards over data-parallel ranks and this launch has 1"),
-    (dict(fsdp=True, tp=2), 2, "--fsdp shards over data-parallel ranks and this launch has 1"),
-])
-def test_bad_configs_are_refused_before_work(kw, world, msg):
-    with pytest.raises(ValueError, match=msg):
-        resolve(Config(**kw), world)
+# ----------------------------------------------------------------------------- refusals (the config table: test_refusals.py)
 
 
 @pytest.mark.e2e
