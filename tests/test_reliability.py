@@ -17,7 +17,6 @@ import train_ppo
 from conftest import ENV, REPO, small
 from data.tasks import Scores
 from data.tasks import get_task
-from losses import masked_whiten
 from runlog import latest_checkpoint, lock_run_dir
 from train_ppo import Config, check_finite, main, optimizer_step, resolve, whiten
 
@@ -79,12 +78,6 @@ def test_over_long_data_row_is_found_before_training(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the non-finite guard
-
-
-def test_whitening_does_not_overflow_float32():
-    x, mask = torch.tensor([[1e30, -1e30, 3e30, 0.0]]), torch.tensor([[1, 1, 1, 0]])
-    for out in (whiten(x, mask, None), masked_whiten(x, mask)):
-        assert torch.isfinite(out).all() and out[0, :3].abs().max() > 0.5
 
 
 @pytest.mark.e2e
