@@ -208,18 +208,25 @@ def test_short_run_improves_reward(tmp_path, algo, steps):
 
 
 _run = start_train
+SIGKILL_ARGS = ["--steps", "6", "--save-every", "2", "--eval-every", "3", "--eval-size", "32", "--rollout-batch", "32",
+                "--critic-pretrain", "3", "--deterministic"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The metrics of the run the SIGKILL tests are held to, run once for both kill points."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    ref = train_cli(*SIGKILL_ARGS, "--out-dir", out)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    return rows(out)
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("kill_after_lines", [3, 7])
-def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines):
+def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines, uninterrupted):
     """Killed during critic pretraining (3 lines: the evaluation before RL and 2 pretraining rows; it is redone)
     or after RL step 3 (7 lines: evaluation, 3 pretraining rows, 3 steps; it resumes from step 2)."""
-    args = ["--steps", "6", "--save-every", "2", "--eval-every", "3", "--eval-size", "32", "--rollout-batch", "32",
-            "--critic-pretrain", "3", "--deterministic"]
-    ref = _run(*args, "--out-dir", tmp_path / "ref")
-    assert ref.wait(600) == 0, ref.stdout.read()
-    killed = _run(*args, "--out-dir", tmp_path / "run")
+    killed = _run(*SIGKILL_ARGS, "--out-dir", tmp_path / "run")
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and killed.poll() is None:
@@ -228,11 +235,11 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines):
             break
         time.sleep(0.05)
     assert killed.wait(60) == -signal.SIGKILL, "the run finished before it could be killed"
-    resumed = _run(*args, "--out-dir", tmp_path / "run")
+    resumed = _run(*SIGKILL_ARGS, "--out-dir", tmp_path / "run")
     out = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0, out
     assert "resuming at step" in out or kill_after_lines == 3
-    assert rows(tmp_path / "run") == rows(tmp_path / "ref")
+    assert rows(tmp_path / "run") == uninterrupted
 
 
 # ----------------------------------------------------------------------------- precision and memory
@@ -376,20 +383,38 @@ def _torchrun(mode, args, timeout=600):
     return max(abs(n.returncode) for n in nodes), "\n".join(outs)
 
 
+STEP_ARGS = ["--steps", "1", "--critic-pretrain", "0", "--eval-size", "32", "--engine-dtype", "fp32", "--micro-batch", "8"]
+# tp2 and dp2-fsdp run inside tp2-dp2-fsdp's launch (TP-sharded policy and critic, FSDP over dp), and dp2-fsdp's
+# world-2 FSDP path again in 2-nodes-fsdp's; their sharded checkpoints are resumed in test_sharded_resume_equals_uninterrupted.
+EQUIVALENCE = ["dp2", "tp2-dp2-fsdp", "2-nodes-fsdp", "tp2-grpo-shared-prefix", "tp2-moe-replay"]
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """single_process(extra args) -> the run folder of the one-process step; each distinct one runs once per module."""
+    done = {}
+
+    def run(extra):
+        if tuple(extra) not in done:
+            out = tmp_path_factory.mktemp("single")
+            p = train_cli(*STEP_ARGS, *extra, "--out-dir", out)
+            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+            done[tuple(extra)] = out
+        return done[tuple(extra)]
+    return run
+
+
 @pytest.mark.torchrun
-@pytest.mark.parametrize("mode", list(MODES))
-def test_torchrun_step_equals_single_process(tmp_path, mode):
-    """One PPO step with 2 processes (dp=2, tp=2, dp=2 with FSDP, two 1-process nodes, tp=2 on the tiny MoE with routing
-    replay) or 4 (tp=2 x dp=2 with FSDP), and one GRPO step under tp=2 with shared prefixes, equal the single-process
-    step (without shared prefixes): the same
-    rollouts (row seeds), advantages and global-denominator losses (micro-batched), so the same weights after the
-    update (gathered from the shards into the checkpoint)."""
-    args = ["--steps", "1", "--critic-pretrain", "0", "--eval-size", "32", "--engine-dtype", "fp32", "--micro-batch", "8"]
-    single = _run(*args, *SINGLE.get(mode, []), "--out-dir", tmp_path / "single")
-    assert single.wait(600) == 0, single.stdout.read()
-    rc, out = _torchrun(mode, [*args, "--out-dir", str(tmp_path / "par")])
+@pytest.mark.parametrize("mode", EQUIVALENCE)
+def test_torchrun_step_equals_single_process(tmp_path, mode, single_process):
+    """One PPO step with 2 processes (dp=2, two 1-process nodes with FSDP, tp=2 on the tiny MoE with routing replay) or
+    4 (tp=2 x dp=2 with FSDP), and one GRPO step under tp=2 with shared prefixes, equal the single-process step (without
+    shared prefixes): the same rollouts (row seeds), advantages and global-denominator losses (micro-batched), so the
+    same weights after the update (gathered from the shards into the checkpoint)."""
+    single = single_process(SINGLE.get(mode, []))
+    rc, out = _torchrun(mode, [*STEP_ARGS, "--out-dir", str(tmp_path / "par")])
     assert rc == 0, out
-    a, b = rows(tmp_path / "single")[-1], rows(tmp_path / "par")[-1]
+    a, b = rows(single)[-1], rows(tmp_path / "par")[-1]
     assert a.keys() == b.keys()
     # TP peers see the same rows, so every metric matches. Data-parallel ranks average their local means,
     # which equal the global ones only for per-row quantities and for the norms of the reduced gradients.
@@ -406,8 +431,8 @@ def test_torchrun_step_equals_single_process(tmp_path, mode):
     # single run moved by under lr / 2 had such a near-zero gradient (in the MoE, the router row of an expert
     # almost never chosen: measured 0.004 lr, differing by up to 0.025 lr); they are held to the max bound only.
     lr = Config().lr
-    wa, wb = _final_weights(tmp_path / "single"), _final_weights(tmp_path / "par")
-    start = load_file(os.path.join(json.load(open(tmp_path / "single" / "config.json"))["config"]["model_path"], "model.safetensors"))
+    wa, wb = _final_weights(single), _final_weights(tmp_path / "par")
+    start = load_file(os.path.join(json.load(open(single / "config.json"))["config"]["model_path"], "model.safetensors"))
     assert wa.keys() == wb.keys()
     n_moved = 0
     for name in wa:
