@@ -2,7 +2,8 @@
 the metrics reader, the trainer's log-prob recompute, the tiny default model, and the hooks that make the markers act.
 
 Markers (pytest.ini, --strict-markers):
-    e2e       a training run (train_ppo.main) or a subprocess job (train_ppo.py, bench/ scripts)
+    e2e       a training run (train_ppo.main, a default model's warm-up), a subprocess job (train_ppo.py, bench/
+              scripts), or the real pretrained model of the SmolLM2 tier
     torchrun  a multi-process torchrun job on CPU (gloo)
     lab       bench/lab.py grids
     gpu       needs CUDA: skipped without it (pytest_collection_modifyitems below)

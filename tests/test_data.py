@@ -309,6 +309,7 @@ def test_default_model_builds_with_fixed_threads(tmp_path, monkeypatch):
     assert built == {"threads": tiny.BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+@pytest.mark.e2e  # the warm-up run that builds each task's default model (when .cache lacks it)
 @pytest.mark.parametrize("task", ["addition", "sort"])
 def test_default_model_reaches_target(task):
     """Builds each task's default model once (1-3 minutes, cached in .cache/) and re-checks its accuracy."""

@@ -61,6 +61,10 @@ def engine(path):
     return EmbeddedEngine(path, dtype="fp32")
 
 
+# Every test on the model is e2e: a real 135M-parameter model (converted once, ~30 s; loaded by several fixtures) is
+# an integration tier, not a unit test. test_missing_wheel_names_the_pip_command needs none and stays in the fast tier.
+
+
 def prompts(tok):
     return [encode_prompt(tok, q) for q in QUESTIONS]
 
@@ -68,6 +72,7 @@ def prompts(tok):
 # ---- the conversion ------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_folder_is_a_plain_llama_with_what_the_trainer_needs(path, tok, model):
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
@@ -84,6 +89,7 @@ def test_folder_is_a_plain_llama_with_what_the_trainer_needs(path, tok, model):
     assert conv.conversion_problem(path, conv.find_gguf()) is None
 
 
+@pytest.mark.e2e
 def test_logits_equal_the_gguf_loaded_model(path, model, tok):
     """The tie and the de-quantisation survive the save: the folder is the GGUF model, bit for bit."""
     gguf_model = conv._load_gguf_model(conv.find_gguf())
@@ -93,6 +99,7 @@ def test_logits_equal_the_gguf_loaded_model(path, model, tok):
         assert torch.equal(model(ids).logits, gguf_model(ids).logits)
 
 
+@pytest.mark.e2e
 def test_convert_is_idempotent_and_redoes_a_damaged_folder(path, tmp_path):
     stamp = os.stat(os.path.join(path, conv.MANIFEST)).st_mtime_ns
     start = time.perf_counter()
@@ -119,6 +126,7 @@ def test_missing_wheel_names_the_pip_command(monkeypatch, tmp_path):
 # ---- the engine ----------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_engine_forward_matches_hf(model, engine, tok):
     ids = torch.tensor([prompts(tok)[0]])
     with torch.no_grad():
@@ -127,6 +135,7 @@ def test_engine_forward_matches_hf(model, engine, tok):
     torch.testing.assert_close(engine.logits(ids), ref, atol=LOGITS_ATOL, rtol=0)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
 def test_engine_logp_equals_trainer_recompute(model, engine, tok, temperature, top_k, top_p):
     s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, n=2, seed=1,
@@ -137,6 +146,7 @@ def test_engine_logp_equals_trainer_recompute(model, engine, tok, temperature, t
     assert ro.mask.sum() > 30 and diff < LOGP_ATOL, diff
 
 
+@pytest.mark.e2e
 def test_greedy_answer_is_sensible(engine, tok):
     """A de-quantisation, RoPE or tokenizer slip turns the answer into noise; the real model knows this."""
     ro = engine.generate(prompts(tok)[2:], Sampling(top_k=1, max_new_tokens=24, stop_token_ids=(tok.eos_token_id,)))
@@ -147,6 +157,7 @@ def test_greedy_answer_is_sensible(engine, tok):
 # ---- critic and tensor parallelism ---------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_critic_builds_saves_and_loads(path, model, tok, tmp_path):
     critic = build_critic(path, dtype=torch.float32).eval()
     assert type(critic).__name__ == "LlamaForTokenClassification"
@@ -159,6 +170,7 @@ def test_critic_builds_saves_and_loads(path, model, tok, tmp_path):
     torch.testing.assert_close(critic_values(load_critic(str(tmp_path), torch.float32).eval(), ids), values, atol=1e-6, rtol=0)
 
 
+@pytest.mark.e2e
 def test_tp_refuses_a_split_of_9_heads(path):
     config = transformers.AutoConfig.from_pretrained(path)
     for cls in (transformers.LlamaForCausalLM, transformers.LlamaForTokenClassification):
