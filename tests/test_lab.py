@@ -1,5 +1,5 @@
 """bench/lab.py: the quick variants of three grids run end to end (subprocess, --jobs 2) and write a report with the
-pre-registered texts, one table row per arm over 2 seeds and the plots; a second invocation skips finished runs;
+pre-registered texts, one table row per arm over its seeds and the plots; a second invocation skips finished runs;
 --only-report rebuilds the same report from the compact metrics file alone. Plus the interval and comparison helpers."""
 
 import importlib.util
@@ -23,11 +23,18 @@ def run_lab(*args):
     return out.stdout
 
 
+# The smallest runs that exercise every part: mismatch at its full quick size (2 arms x 2 seeds: the intervals, and the runs
+# that the skip, resume and report tests reuse); horizon (a GRPO arm: the identical-reward plot) and moe (the routing
+# table and plots) with one seed, 2 runs each, for the parts of the report only they have.
+SEEDS = {"mismatch": 2, "horizon": 1, "moe": 1}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The quick grids, run once into one runs dir; returns (runs dir, {grid: stdout})."""
     d = tmp_path_factory.mktemp("lab_runs")
-    return d, {grid: run_lab(grid, "--quick", "--jobs", "2", "--runs-dir", str(d)) for grid in ("mismatch", "horizon", "moe")}
+    return d, {grid: run_lab(grid, "--quick", "--jobs", "2", "--runs-dir", str(d), "--seeds", ",".join(map(str, range(n))))
+               for grid, n in SEEDS.items()}
 
 
 def test_ci95_hand_case():
@@ -82,10 +89,12 @@ def test_quick_report(runs, grid):
     report = d / f"{grid}-quick" / "report.md"
     text = report.read_text()
     assert g["hypothesis"] in text and g["decision_rule"] in text and "## Verdict" in text
-    assert len(re.findall(r"^\[\d/4\] done addition/", stdout[grid], re.MULTILINE)) == 4, stdout[grid]
-    for arm in g["arms"]:  # one row per arm, 2 seeds, accuracies with an interval
-        rows = [line for line in text.splitlines() if line.startswith(f"| {arm} | 2 | ")]
-        assert len(rows) == 1 and re.match(rf"\| {re.escape(arm)} \| 2 \| \d+\.\d ± \d+\.\d \| \d+\.\d ± \d+\.\d \| \d+\.\d ± \d+\.\d \|", rows[0]), text
+    n = SEEDS[grid]
+    assert len(re.findall(rf"^\[\d/{2 * n}\] done addition/", stdout[grid], re.MULTILINE)) == 2 * n, stdout[grid]
+    cell = r"\d+\.\d ± \d+\.\d" if n > 1 else r"\d+\.\d"  # the 95% interval needs 2 seeds
+    for arm in g["arms"]:  # one row per arm, its seeds, accuracies (with an interval)
+        rows = [line for line in text.splitlines() if line.startswith(f"| {arm} | {n} | ")]
+        assert len(rows) == 1 and re.match(rf"\| {re.escape(arm)} \| {n} \| {cell} \| {cell} \| {cell} \|", rows[0]), text
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
     expected = ["accuracy", "k3", "masked", "grad_norm", "ev", "ev_per_position"] + (["identical_reward_groups"] if grid == "horizon" else [])
     expected += ["routing", "ratio_tail"] if grid == "moe" else []
