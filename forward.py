@@ -1,6 +1,6 @@
 """The trainer's forward passes over a step's batch, and how the batch is split into minibatches and micro-batches.
 
-    logp, entropy = response_logprobs(policy, tb, tokens, rows, cfg, entropy=True)   # [b, T] each, response tokens only
+    logp, entropy = response_logprobs(policy, tb, rows, tokens, cfg, entropy=True)   # [b, T] each, response tokens only
     values = response_values(critic, tb, rows, cfg)                                  # [b, T], V before each response token
 
 The policy's log-probs never materialise [b, L, V] logits: the LM head is swapped for a stand-in inside the model's own
@@ -64,7 +64,7 @@ def sequences(b: TrainBatch, rows):
     return {"input_ids": b.input_ids[sel], "attention_mask": b.attention_mask[sel], "position_ids": b.position_ids[sel]}
 
 
-def response_logprobs(model, b: TrainBatch, tokens: torch.Tensor, rows, cfg: Config, entropy: bool = False):
+def response_logprobs(model, b: TrainBatch, rows, tokens: torch.Tensor, cfg: Config, entropy: bool = False):
     """(log-probs [b, T], entropy [b, T] or None) of the response tokens of rows. The forward keeps only the columns that
     predict response tokens (TrainBatch.keep, logits_to_keep), and the LM head runs on them chunk by chunk
     (losses.head_logprobs): no [b, L, V] or [b, T, V] logits exist. Under --train-dtype bf16 the forward runs in bf16

@@ -429,10 +429,10 @@ def recompute(run: Run, models: Models, batch: Batch, m: Metrics) -> Old:
     chunks = micro(torch.arange(len(batch.tokens)), run.cfg, run.group)
     logp = []
     for r in chunks:
-        logp.append(response_logprobs(models.policy, batch.tb, batch.tokens, r, run.cfg)[0])
+        logp.append(response_logprobs(models.policy, batch.tb, r, batch.tokens, run.cfg)[0])
         if batch.tb.routing is not None:  # MoE: how often the trainer's routers pick other experts than the engine's
             m.add(moe.batch_flips(models.policy, batch.tb, r, batch.gen_mask))
-    ref_logp = torch.cat([response_logprobs(models.ref, batch.tb, batch.tokens, r, run.cfg)[0] for r in chunks]) if models.ref is not None else None
+    ref_logp = torch.cat([response_logprobs(models.ref, batch.tb, r, batch.tokens, run.cfg)[0] for r in chunks]) if models.ref is not None else None
     values = torch.cat([response_values(models.critic, batch.tb, r, run.cfg) for r in chunks]) if models.critic is not None else None
     return Old(torch.cat(logp), ref_logp, values)
 
@@ -498,7 +498,7 @@ def update_policy(run: Run, models: Models, batch: Batch, old: Old, adv, is_w, l
         for mb in minibatches(len(batch.tokens), cfg, index, epoch, run.group):
             denom = denominator(loss_mask[mb], batch.keep_rows[mb], cfg, batch.max_len, run.dp_group)
             for r in micro(mb, cfg, run.group):
-                logp, ent = response_logprobs(models.policy, batch.tb, batch.tokens, r, cfg, entropy=True)
+                logp, ent = response_logprobs(models.policy, batch.tb, r, batch.tokens, cfg, entropy=True)
                 if cfg.correction == "dis":
                     loss, pm = losses.dis_policy_loss(logp, batch.infer_logp[r], adv[r], loss_mask[r], eps_low=cfg.clip_low,
                                                       eps_high=cfg.clip_high, agg=cfg.agg, num_tokens=denom)

@@ -33,7 +33,7 @@ def one(path: str, P: int, T: int, rows: int, vocab: int) -> tuple[float, float]
     import losses as L
     from config import Config
     from rollout import TrainBatch
-    from train_ppo import response_logprobs
+    from forward import response_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)

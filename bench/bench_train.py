@@ -43,7 +43,7 @@ def run(algo: str, nprocs: int, variant: str, args) -> dict:
         cfg = json.load(f)["config"]
     return {"step": mean("time/step"), **{p: mean(f"time/{p}") for p in PHASES}, "tok/s": mean("rollout/tokens_per_s"),
             "train TFLOP": train_flops(cfg, mean("train/tokens_per_pass"), mean("train/response_tokens")) / 1e12,
-            "peak GiB": max(r["mem/peak_gib_max"] for r in rows),  # on CUDA also per phase (train_ppo.timed):
+            "peak GiB": max(r["mem/peak_gib_max"] for r in rows),  # on CUDA also per phase (runlog.timed):
             "phase GiB": {p: max(r[f"mem/{p}_gib_max"] for r in rows) for p in PHASES if f"mem/{p}_gib_max" in rows[0]}}
 
 

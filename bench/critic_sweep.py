@@ -17,6 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import train_ppo  # noqa: E402
+import value_model  # noqa: E402
 
 
 def main(argv=None):
@@ -26,7 +27,7 @@ def main(argv=None):
     p.add_argument("--settings", default="1e-3x2,3e-4x2,3e-4x8,3e-3x2", help="comma-separated <critic lr>x<updates per batch>")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    train_ppo.PLATEAU_MIN_GAIN = -float("inf")  # never plateau: every setting runs --steps pretraining steps
+    value_model.PLATEAU_MIN_GAIN = -float("inf")  # never plateau: every setting runs --steps pretraining steps
     results = []
     for setting in args.settings.split(","):
         lr, updates = setting.split("x")
@@ -35,7 +36,7 @@ def main(argv=None):
                                    critic_updates=int(updates), eval_size=50, eval_every=100)
             hist = train_ppo.main(cfg)
         evs = [r["critic/explained_variance"] for r in hist if "pretrain/step" in r]
-        results.append((setting, train_ppo._finite_mean(evs[:10]), train_ppo._finite_mean(evs[-10:])))
+        results.append((setting, value_model.finite_mean(evs[:10]), value_model.finite_mean(evs[-10:])))
     print(f"\ncritic pretraining on the frozen start policy, task {args.task}, {args.steps} steps of 64 rollouts, plateau rule off")
     print("| critic lr x updates per batch | mean EV, steps 1-10 | mean EV, last 10 steps |\n|---|---|---|")
     for setting, first, last in results:

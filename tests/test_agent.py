@@ -2,23 +2,20 @@
 ids, budgets end episodes with their reason, compaction rows carry the episode's return, and the loop trains on them."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import agent
 import losses as L
+from conftest import read_metrics, torchrun, train_cli
 from data.guess import GuessEnv, interval
 from data.tasks import guess_task
-from data.tiny import build_tiny_model, build_tokenizer, default_model, demo_engine
+from data.tiny import build_tiny_model, build_tokenizer, demo_engine
 from rollout import EmbeddedEngine, Rollout, Sampling
-from train_ppo import Config, minibatches, resolve
+from forward import minibatches
+from train_ppo import Config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
 
@@ -56,17 +53,10 @@ class Scripted:
         return Rollout(tokens, logp, mask, [list(p) for p in prompt_ids], [self.finish] * len(outs))
 
 
-@pytest.fixture(scope="module")
-def addition_model():
-    return default_model(os.path.join(REPO, ".cache"), task="addition")
-
-
-def test_to_batch_attends_observations_and_recompute_equals_engine(addition_model):
+def test_to_batch_attends_observations_and_recompute_equals_engine(tiny_policy):
     """3-turn episodes on an fp32 engine: the trainer's forward over to_batch's layout gives the engine's log-probs
     on every model token; with the observations dropped from the attention mask (the TRL#4974 bug) it does not."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(addition_model, dtype=torch.float32)
+    model = tiny_policy
     engine = EmbeddedEngine(model, dtype="fp32")
     rows = [{"prompt": f"{a:03d}+{b:03d}", "answer": ""} for a, b in ((12, 345), (999, 1), (500, 500))]
     ep = agent.run_episodes(engine, TOK, ThreeTurns, rows, Sampling(max_new_tokens=12, n=4, seed=3, stop_token_ids=(EOS,)),
@@ -228,13 +218,7 @@ def test_env_loader_names_the_problem(tmp_path):
                       (f"{f}:Nope", "has no class 'Nope'"), (f"{f}:fn", "it is a function"), (f"{f}:NoStep", "has no step method")]:
         with pytest.raises(ValueError, match=msg):
             agent.load_env(spec)
-    assert agent.load_env("examples/env_retry.py:RetryEnv").__name__ == "RetryEnv"
-    with pytest.raises(ValueError, match="the environment's step"):
-        resolve(Config(task="guess", reward="math", out_dir=str(tmp_path / "o")), 1)
-    with pytest.raises(ValueError, match="--compact-at with --algo grpo is refused"):
-        resolve(Config(task="guess", algo="grpo", compact_at=100, out_dir=str(tmp_path / "o")), 1)
-    with pytest.raises(ValueError, match="apply to multi-turn tasks"):
-        resolve(Config(task="addition", max_turns=3, out_dir=str(tmp_path / "o")), 1)
+    assert agent.load_env("examples/env_retry.py:RetryEnv").__name__ == "RetryEnv"  # (multi-turn config refusals: test_refusals.py)
 
 
 def test_compaction_rows_carry_the_episode_return():
@@ -270,18 +254,13 @@ def test_minibatches_always_have_the_requested_count():
         assert len(parts) == 4 and sorted(torch.cat(parts).tolist()) == list(range(rows))
 
 
-def _metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
+@pytest.mark.e2e
 def test_own_environment_from_the_command_line(tmp_path):
     """examples/env_retry.py on the addition rows, PPO, one process: the run logs the multi-turn metrics."""
-    out = subprocess.run([sys.executable, "train_ppo.py", "--env", "examples/env_retry.py:RetryEnv", "--max-turns", "3", "--steps", "2",
-                          "--rollout-batch", "16", "--eval-size", "16", "--critic-pretrain", "0", "--out-dir", str(tmp_path)],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    out = train_cli("--env", "examples/env_retry.py:RetryEnv", "--max-turns", "3", "--steps", "2", "--rollout-batch", "16",
+                    "--eval-size", "16", "--critic-pretrain", "0", "--out-dir", tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    last = _metrics(tmp_path)[-1]
+    last = read_metrics(tmp_path)[-1]
     assert last["step"] == 2 and 1 <= last["rollout/turns_mean"] <= 3 and 0 < last["rollout/obs_token_frac"] < 1
     samples = [json.loads(line) for line in open(tmp_path / "samples" / "step_000002.jsonl")]
     assert samples[0]["completion"][0] == {"role": "user", "content": samples[0]["prompt"]}
@@ -312,10 +291,9 @@ class Unequal:
 def test_dp2_with_unequal_rows_per_rank_does_not_hang(tmp_path):
     env = tmp_path / "unequal.py"
     env.write_text(UNEQUAL_ENV)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train_ppo.py",
-                          "--env", f"{env}:Unequal", "--compact-at", "110", "--steps", "2", "--rollout-batch", "8", "--minibatches", "4",
-                          "--micro-batch", "2", "--eval-size", "8", "--critic-pretrain", "0", "--out-dir", str(tmp_path / "run")],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    out = torchrun(2, "train_ppo.py", "--env", f"{env}:Unequal", "--compact-at", "110", "--steps", "2", "--rollout-batch", "8",
+                   "--minibatches", "4", "--micro-batch", "2", "--eval-size", "8", "--critic-pretrain", "0", "--out-dir", tmp_path / "run",
+                   timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = _metrics(tmp_path / "run")[1:]
+    rows = read_metrics(tmp_path / "run")[1:]
     assert len(rows) == 2 and max(r["rollout/rows_per_episode"] for r in rows) > 1  # compaction made extra rows

@@ -5,7 +5,8 @@ import os
 
 from transformers import LlamaConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 spec = importlib.util.spec_from_file_location("bench_train", os.path.join(REPO, "bench", "bench_train.py"))
 bench_train = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench_train)

@@ -11,12 +11,12 @@ import pytest
 import torch
 import transformers
 
+from conftest import CACHE
 from data.rewards import exact_match_reward, score
 from data.tasks import Task, addition_task, check_lengths, encode_prompt, get_task, load_task, sort_task
 from data.tiny import (DEFAULT_WARMUP, EOS_ID, PAD_ID, _sft_batch, build_tiny_model, build_tokenizer, default_model,
                        greedy_completions, tiny_config, warmup)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -309,10 +309,11 @@ def test_default_model_builds_with_fixed_threads(tmp_path, monkeypatch):
     assert built == {"threads": tiny.BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+@pytest.mark.e2e  # the warm-up run that builds each task's default model (when .cache lacks it)
 @pytest.mark.parametrize("task", ["addition", "sort"])
 def test_default_model_reaches_target(task):
     """Builds each task's default model once (1-3 minutes, cached in .cache/) and re-checks its accuracy."""
-    cache = os.path.join(ROOT, ".cache")
+    cache = CACHE
     building = lambda: {d for d in os.listdir(cache) if d.startswith(".building-")} if os.path.isdir(cache) else set()  # noqa: E731
     before = building()  # a build killed earlier (kill -9 cannot clean up) leaves its folder; this build must leave none
     path = default_model(cache_dir=cache, task=task)

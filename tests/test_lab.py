@@ -1,5 +1,5 @@
 """bench/lab.py: the quick variants of three grids run end to end (subprocess, --jobs 2) and write a report with the
-pre-registered texts, one table row per arm over 2 seeds and the plots; a second invocation skips finished runs;
+pre-registered texts, one table row per arm over its seeds and the plots; a second invocation skips finished runs;
 --only-report rebuilds the same report from the compact metrics file alone. Plus the interval and comparison helpers."""
 
 import importlib.util
@@ -7,29 +7,34 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+from conftest import REPO, run
+
 spec = importlib.util.spec_from_file_location("lab", os.path.join(REPO, "bench", "lab.py"))
 lab = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lab)
 
 
 def run_lab(*args):
-    out = subprocess.run([sys.executable, "bench/lab.py", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
+    out = run("bench/lab.py", *args, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
+
+
+# The smallest runs that exercise every part: mismatch at its full quick size (2 arms x 2 seeds: the intervals, and the runs
+# that the skip, resume and report tests reuse); horizon (a GRPO arm: the identical-reward plot) and moe (the routing
+# table and plots) with one seed, 2 runs each, for the parts of the report only they have.
+SEEDS = {"mismatch": 2, "horizon": 1, "moe": 1}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The quick grids, run once into one runs dir; returns (runs dir, {grid: stdout})."""
     d = tmp_path_factory.mktemp("lab_runs")
-    return d, {grid: run_lab(grid, "--quick", "--jobs", "2", "--runs-dir", str(d)) for grid in ("mismatch", "horizon", "moe")}
+    return d, {grid: run_lab(grid, "--quick", "--jobs", "2", "--runs-dir", str(d), "--seeds", ",".join(map(str, range(n))))
+               for grid, n in SEEDS.items()}
 
 
 def test_ci95_hand_case():
@@ -76,6 +81,7 @@ def test_a_failed_run_is_reported_with_its_log_and_does_not_stop_the_others(tmp_
     assert lab.finished(str(tmp_path / "runs/sort/b/seed1"), 2) and not lab.finished(str(tmp_path / "runs/addition/a/seed0"), 2)
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize("grid", ["mismatch", "horizon", "moe"])
 def test_quick_report(runs, grid):
     d, stdout = runs
@@ -83,10 +89,12 @@ def test_quick_report(runs, grid):
     report = d / f"{grid}-quick" / "report.md"
     text = report.read_text()
     assert g["hypothesis"] in text and g["decision_rule"] in text and "## Verdict" in text
-    assert len(re.findall(r"^\[\d/4\] done addition/", stdout[grid], re.MULTILINE)) == 4, stdout[grid]
-    for arm in g["arms"]:  # one row per arm, 2 seeds, accuracies with an interval
-        rows = [line for line in text.splitlines() if line.startswith(f"| {arm} | 2 | ")]
-        assert len(rows) == 1 and re.match(rf"\| {re.escape(arm)} \| 2 \| \d+\.\d ± \d+\.\d \| \d+\.\d ± \d+\.\d \| \d+\.\d ± \d+\.\d \|", rows[0]), text
+    n = SEEDS[grid]
+    assert len(re.findall(rf"^\[\d/{2 * n}\] done addition/", stdout[grid], re.MULTILINE)) == 2 * n, stdout[grid]
+    cell = r"\d+\.\d ± \d+\.\d" if n > 1 else r"\d+\.\d"  # the 95% interval needs 2 seeds
+    for arm in g["arms"]:  # one row per arm, its seeds, accuracies (with an interval)
+        rows = [line for line in text.splitlines() if line.startswith(f"| {arm} | {n} | ")]
+        assert len(rows) == 1 and re.match(rf"\| {re.escape(arm)} \| {n} \| {cell} \| {cell} \| {cell} \|", rows[0]), text
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
     expected = ["accuracy", "k3", "masked", "grad_norm", "ev", "ev_per_position"] + (["identical_reward_groups"] if grid == "horizon" else [])
     expected += ["routing", "ratio_tail"] if grid == "moe" else []
@@ -97,6 +105,7 @@ def test_quick_report(runs, grid):
     assert (d / f"{grid}-quick" / "report" / "metrics.jsonl.gz").is_file() and (d / ".gitignore").read_text() == "*\n"
 
 
+@pytest.mark.lab
 def test_second_invocation_skips_finished_runs(runs):
     d, _ = runs
     metrics = sorted((d / "mismatch-quick").glob("addition/*/seed*/metrics.jsonl"))
@@ -107,6 +116,7 @@ def test_second_invocation_skips_finished_runs(runs):
     assert [(p.stat().st_mtime_ns, p.read_bytes()) for p in metrics] == before
 
 
+@pytest.mark.lab
 def test_only_report_rebuilds_from_the_compact_file_alone(runs, tmp_path):
     d, _ = runs
     shutil.copytree(d / "mismatch-quick" / "report", tmp_path / "mismatch-quick" / "report", ignore=shutil.ignore_patterns("*.png"))
@@ -118,6 +128,7 @@ def test_only_report_rebuilds_from_the_compact_file_alone(runs, tmp_path):
     assert (tmp_path / "mismatch-quick" / "report" / "addition_accuracy.png").is_file()
 
 
+@pytest.mark.lab
 def test_runs_in_the_compact_file_are_not_rerun_on_a_fresh_machine(runs, tmp_path):
     """A grid resumed where only the committed report exists (the run folders were on another machine) trains nothing."""
     d, _ = runs
@@ -136,6 +147,7 @@ def test_start_model_fingerprint(tmp_path):
     assert lab.start_model(str(tmp_path)) == "ba7816bf8f01cfea"  # sha256("abc")
 
 
+@pytest.mark.lab
 def test_runs_from_another_start_model_are_refused_then_set_aside(runs, tmp_path):
     """Stored runs that started from another build of the start model are never mixed with new ones."""
     d, _ = runs
@@ -145,8 +157,7 @@ def test_runs_from_another_start_model_are_refused_then_set_aside(runs, tmp_path
     assert len({r["start_model"] for r in stored}) == 1 and stored[0]["start_model"]  # every run fingerprinted, one model
     stored[0]["start_model"] = "0" * 16
     lab.save_compact(str(compact), meta, stored)
-    out = subprocess.run([sys.executable, "bench/lab.py", "mismatch", "--quick", "--runs-dir", str(tmp_path)],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    out = run("bench/lab.py", "mismatch", "--quick", "--runs-dir", tmp_path)
     assert out.returncode != 0 and "1 stored run(s) of mismatch started from another build of the start model" in out.stderr, out.stderr
     assert not list((tmp_path / "mismatch-quick").glob("addition/*/seed*"))  # refused before any run started
     out = run_lab("mismatch", "--quick", "--jobs", "1", "--runs-dir", str(tmp_path), "--set-aside")

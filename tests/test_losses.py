@@ -11,8 +11,6 @@ from hypothesis import strategies as st
 
 import losses as L
 
-torch.manual_seed(0)
-
 
 def rand_batch(B=4, T=7, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -57,8 +55,9 @@ def test_token_logprobs_matches_slow(temperature, top_k, top_p):
 
 
 def test_token_logprobs_chunked_equals_unchunked_and_bf16(monkeypatch):
-    logits = torch.randn(3, 9, 17, dtype=torch.bfloat16)
-    tokens = torch.randint(0, 17, (3, 9))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 17, generator=g).bfloat16()
+    tokens = torch.randint(0, 17, (3, 9), generator=g)
     full = L.token_logprobs(logits, tokens, 0.9)
     monkeypatch.setattr(L, "CHUNK_ROWS", 4)
     chunked = L.token_logprobs(logits, tokens, 0.9)
@@ -73,6 +72,7 @@ def test_head_logprobs_equals_full_logits_values_and_gradients(monkeypatch, kw):
     # The checkpointed, chunked LM head against the plain path: head over every position, then token_logprobs.
     monkeypatch.setattr(L, "HEAD_CHUNK_ELEMENTS", 4 * 23)  # 15 positions: 4 chunks of 4 x 23 logits, the last one short
     g = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)  # the head's init
     head = torch.nn.Linear(6, 23, bias=False)
     hidden, tokens, w = torch.randn(3, 5, 6, generator=g), torch.randint(0, 23, (3, 5), generator=g), torch.randn(3, 5, generator=g)
     grads = []
@@ -111,7 +111,7 @@ def test_greedy_keeps_one_token_lowest_id_on_ties():
 
 
 def test_entropy_from_logits():
-    logits = torch.randn(2, 3, 6)
+    logits = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(0))
     p = torch.softmax(logits / 0.5, -1)
     torch.testing.assert_close(L.entropy_from_logits(logits, 0.5), -(p * p.log()).sum(-1))
     assert torch.allclose(L.entropy_from_logits(torch.zeros(1, 1, 8)), torch.tensor(math.log(8)))
@@ -125,8 +125,13 @@ def test_masked_mean_and_whiten_hand():
     m = torch.tensor([[True, True, False], [True, False, False]])
     assert L.masked_mean(x, m).item() == pytest.approx(2.0)
     torch.testing.assert_close(L.masked_mean(x, m, dim=1), torch.tensor([1.5, 3.0]))
-    w = L.masked_whiten(x, m)  # values 1, 2, 3: mean 2, unbiased var 1
+    w = L.whiten(x, m, L.whiten_stats(x, m))  # values 1, 2, 3: mean 2, unbiased var 1
     torch.testing.assert_close(w, torch.tensor([[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
+    # values 1e30, -1e30, 3e30: mean 1e30, unbiased var 4e60 (the squares overflow float32), std 2e30
+    x, m = torch.tensor([[1e30, -1e30, 3e30, 0.0]]), torch.tensor([[True, True, True, False]])
+    torch.testing.assert_close(L.whiten(x, m, L.whiten_stats(x, m)), torch.tensor([[0.0, -1.0, 1.0, 0.0]]), atol=1e-6, rtol=0)
+    # no valid element: mean 0 and variance 0 -> all zeros, not NaN
+    assert L.whiten(x, ~torch.ones_like(m), L.whiten_stats(x, ~torch.ones_like(m))).eq(0).all()
 
 
 # ----------------------------------------------------------------------------- GAE
@@ -296,7 +301,7 @@ def test_ppo_policy_loss_matches_slow(dual):
     mask, r = rand_batch(4, 6, seed=5)
     old, adv = r(), r()
     logp = old + r(0.5)
-    w = torch.rand(4, 6)
+    w = torch.rand(4, 6, generator=torch.Generator().manual_seed(0))
     loss, m = L.ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=dual, is_weights=w)
     total = n = 0
     for b in range(4):

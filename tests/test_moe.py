@@ -3,21 +3,19 @@ metrics, quantised experts, and a training run of the tiny MoE default. (TP=2 = 
 tests/test_parallel.py, family qwen3_moe.)"""
 
 import copy
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers
 
 import moe
+from conftest import read_metrics, train_cli
+from conftest import trainer_logp as _trainer_logp
 from data.tiny import build_tokenizer, tiny_moe_config
 from rollout import EmbeddedEngine, Sampling, fake_quant_int4
 
 NUDGE = 2e-2  # the trainer's router nudge, relative to its weights' RMS: flips ~2% of token-layer choices here
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +31,9 @@ def rollout_and_batch(engine, n=2):
 
 
 def trainer_logp(model, ro, b, replay=None):
-    with torch.no_grad(), moe.routing(model, replay):
-        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
-    return torch.log_softmax(logits[:, b.keep].float(), -1).gather(-1, ro.tokens[..., None])[..., 0]
+    """The trainer's recompute (temperature 1), its routers replaying `replay` ([tokens, layers, k]; None: their own)."""
+    with moe.routing(model, replay):
+        return _trainer_logp(model, ro)
 
 
 def test_fp32_engine_equals_the_hf_forward_and_records_its_routing(model):
@@ -130,6 +128,7 @@ def test_int4_engine_quantises_each_expert_and_keeps_the_router(model):
     assert torch.equal(router, model.model.layers[0].mlp.gate.weight.detach().bfloat16().float())
 
 
+@pytest.mark.e2e
 def test_tiny_moe_trains_with_routing_replay_and_logs_router_flips(tmp_path):
     """--tiny moe end to end (the default MoE model is built and warmed up on first use, a few minutes): bf16 engine,
     with and without --routing-replay, 2 steps; both log router flips per layer. (Whether replay lowers the mismatch at
@@ -137,11 +136,10 @@ def test_tiny_moe_trains_with_routing_replay_and_logs_router_flips(tmp_path):
     rows = {}
     for replay in (False, True):
         out = tmp_path / f"replay{int(replay)}"
-        cmd = [sys.executable, "train_ppo.py", "--tiny", "moe", "--steps", "2", "--rollout-batch", "16", "--critic-pretrain", "0",
-               "--eval-every", "100", "--eval-size", "4", "--out-dir", str(out), *(["--routing-replay"] if replay else [])]
-        proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1800)
+        proc = train_cli("--tiny", "moe", "--steps", "2", "--rollout-batch", "16", "--critic-pretrain", "0", "--eval-every", "100",
+                         "--eval-size", "4", "--out-dir", out, *(["--routing-replay"] if replay else []), timeout=1800)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        rows[replay] = [json.loads(line) for line in open(out / "metrics.jsonl")][1]  # step 1: same weights, same rollouts
+        rows[replay] = read_metrics(out)[1]  # step 1: same weights, same rollouts
     for r in rows.values():
         assert 0 <= r["moe/flip_frac"] <= r["moe/flip_any_layer_frac"] <= 1 and "moe/flip_frac_layer3" in r
     # the same rollouts (replay acts in the trainer only), and the same router flips: they compare the trainer's own choice

