@@ -250,7 +250,7 @@ def test_compaction_rows_carry_the_episode_return():
 def test_minibatches_always_have_the_requested_count():
     cfg = Config(minibatches=4)
     for rows in (1, 3, 5, 9, 64):
-        parts = minibatches(rows, cfg, step=0, epoch=0)
+        parts = minibatches(rows, cfg, index=0, epoch=0)
         assert len(parts) == 4 and sorted(torch.cat(parts).tolist()) == list(range(rows))
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.tiny import build_tiny_model  # noqa: E402
 from train_ppo import Config, main  # noqa: E402
 
+pytestmark = pytest.mark.e2e
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden.json")
 # Per-step figures the guard pins: the policy's and critic's grad norms, the value loss, the reward, the mismatch.
 KEYS = ("ppo/grad_norm", "critic/grad_norm", "critic/value_loss", "rollout/reward_mean", "mismatch/k3", "mismatch/masked_frac", "eval/greedy_acc",
