@@ -41,7 +41,8 @@ test: test-core test-sglang
 test-core: $(VENV)/.installed
 	$(REQUIRE) $(PY) -m pytest -q -m "not sglang"
 
-test-sglang: $(SGL_VENV)/.installed
+# Under `make -j2 test` (CI) the SGLang venv is built while test-core runs; its tests start once test-core's are done.
+test-sglang: $(SGL_VENV)/.installed | $(if $(filter test,$(MAKECMDGOALS)),test-core)
 	$(REQUIRE) $(SGL_VENV)/bin/python -m pytest -q -m "sglang or ($(FAST))"
 
 # Unit tests only, for the edit-test loop: under a minute on 2 cores (the first run also builds the tiny default model).

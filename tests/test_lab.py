@@ -23,18 +23,27 @@ def run_lab(*args):
     return out.stdout
 
 
-# The smallest runs that exercise every part: mismatch at its full quick size (2 arms x 2 seeds: the intervals, and the runs
-# that the skip, resume and report tests reuse); horizon (a GRPO arm: the identical-reward plot) and moe (the routing
-# table and plots) with one seed, 2 runs each, for the parts of the report only they have.
-SEEDS = {"mismatch": 2, "horizon": 1, "moe": 1}
+# The smallest runs that exercise every part. mismatch: one arm over 2 seeds (4 steps each), the runs the skip, resume,
+# only-report and set-aside tests reuse, and the interval cells (which need 2 seeds). horizon (a GRPO arm: the
+# identical-reward plot) and moe (the routing table and plots): both arms, one seed, for the parts of the report only
+# they have and the rows of several arms. 6 runs.
+GRIDS = {"mismatch": (["ppo-int4-icepop"], [0, 1]), "horizon": (None, [0]), "moe": (None, [0])}
+
+
+def selection(grid):
+    arms, seeds = GRIDS[grid]
+    return [*(["--arms", ",".join(arms)] if arms else []), "--seeds", ",".join(map(str, seeds))]
+
+
+MISMATCH = ["mismatch", "--quick", *selection("mismatch")]
+N_MISMATCH = len(GRIDS["mismatch"][0]) * len(GRIDS["mismatch"][1])  # its runs
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The quick grids, run once into one runs dir; returns (runs dir, {grid: stdout})."""
     d = tmp_path_factory.mktemp("lab_runs")
-    return d, {grid: run_lab(grid, "--quick", "--jobs", "2", "--runs-dir", str(d), "--seeds", ",".join(map(str, range(n))))
-               for grid, n in SEEDS.items()}
+    return d, {grid: run_lab(grid, "--quick", "--jobs", "2", "--runs-dir", str(d), *selection(grid)) for grid in GRIDS}
 
 
 def test_ci95_hand_case():
@@ -89,17 +98,18 @@ def test_quick_report(runs, grid):
     report = d / f"{grid}-quick" / "report.md"
     text = report.read_text()
     assert g["hypothesis"] in text and g["decision_rule"] in text and "## Verdict" in text
-    n = SEEDS[grid]
-    assert len(re.findall(rf"^\[\d/{2 * n}\] done addition/", stdout[grid], re.MULTILINE)) == 2 * n, stdout[grid]
+    arms, seeds = GRIDS[grid]
+    arms, n = arms or list(g["arms"]), len(seeds)
+    assert len(re.findall(rf"^\[\d/{len(arms) * n}\] done addition/", stdout[grid], re.MULTILINE)) == len(arms) * n, stdout[grid]
     cell = r"\d+\.\d ± \d+\.\d" if n > 1 else r"\d+\.\d"  # the 95% interval needs 2 seeds
-    for arm in g["arms"]:  # one row per arm, its seeds, accuracies (with an interval)
+    for arm in arms:  # one row per arm, its seeds, accuracies (with an interval)
         rows = [line for line in text.splitlines() if line.startswith(f"| {arm} | {n} | ")]
         assert len(rows) == 1 and re.match(rf"\| {re.escape(arm)} \| {n} \| {cell} \| {cell} \| {cell} \|", rows[0]), text
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
     expected = ["accuracy", "k3", "masked", "grad_norm", "ev", "ev_per_position"] + (["identical_reward_groups"] if grid == "horizon" else [])
     expected += ["routing", "ratio_tail"] if grid == "moe" else []
     if grid == "moe":  # the routing table: one row per arm
-        assert sum(bool(re.match(rf"\| {arm} \| \d+\.\d\d% \| \d+\.\d\d% \| ", line)) for arm in g["arms"] for line in text.splitlines()) == 2, text
+        assert sum(bool(re.match(rf"\| {arm} \| \d+\.\d\d% \| \d+\.\d\d% \| ", line)) for arm in arms for line in text.splitlines()) == 2, text
     assert {f"report/addition_{name}.png" for name in expected} <= set(images)
     assert all((report.parent / img).stat().st_size > 1000 for img in images)
     assert (d / f"{grid}-quick" / "report" / "metrics.jsonl.gz").is_file() and (d / ".gitignore").read_text() == "*\n"
@@ -109,10 +119,10 @@ def test_quick_report(runs, grid):
 def test_second_invocation_skips_finished_runs(runs):
     d, _ = runs
     metrics = sorted((d / "mismatch-quick").glob("addition/*/seed*/metrics.jsonl"))
-    assert len(metrics) == 4
+    assert len(metrics) == N_MISMATCH
     before = [(p.stat().st_mtime_ns, p.read_bytes()) for p in metrics]
-    out = run_lab("mismatch", "--quick", "--jobs", "2", "--runs-dir", str(d))
-    assert out.count("skip addition/") == 4 and "] done " not in out, out
+    out = run_lab(*MISMATCH, "--jobs", "2", "--runs-dir", str(d))
+    assert out.count("skip addition/") == N_MISMATCH and "] done " not in out, out
     assert [(p.stat().st_mtime_ns, p.read_bytes()) for p in metrics] == before
 
 
@@ -122,7 +132,7 @@ def test_only_report_rebuilds_from_the_compact_file_alone(runs, tmp_path):
     shutil.copytree(d / "mismatch-quick" / "report", tmp_path / "mismatch-quick" / "report", ignore=shutil.ignore_patterns("*.png"))
     assert sorted(os.listdir(tmp_path / "mismatch-quick")) == ["report"]  # no run folders
     out = run_lab("mismatch", "--quick", "--only-report", "--runs-dir", str(tmp_path))
-    assert "4 finished runs" in out, out
+    assert f"{N_MISMATCH} finished runs" in out, out
     rebuilt = (tmp_path / "mismatch-quick" / "report.md").read_text()
     assert rebuilt == (d / "mismatch-quick" / "report.md").read_text()
     assert (tmp_path / "mismatch-quick" / "report" / "addition_accuracy.png").is_file()
@@ -133,8 +143,9 @@ def test_runs_in_the_compact_file_are_not_rerun_on_a_fresh_machine(runs, tmp_pat
     """A grid resumed where only the committed report exists (the run folders were on another machine) trains nothing."""
     d, _ = runs
     shutil.copytree(d / "mismatch-quick" / "report", tmp_path / "mismatch-quick" / "report")
-    out = run_lab("mismatch", "--quick", "--jobs", "2", "--runs-dir", str(tmp_path))
-    assert out.count("(finished: in the compact metrics file)") == 4 and "] done " not in out and "4 finished runs" in out, out
+    out = run_lab(*MISMATCH, "--jobs", "2", "--runs-dir", str(tmp_path))
+    assert (out.count("(finished: in the compact metrics file)") == N_MISMATCH and "] done " not in out
+            and f"{N_MISMATCH} finished runs" in out), out
     assert not list((tmp_path / "mismatch-quick").glob("addition/*/seed*"))
     tables = [(p / "mismatch-quick" / "report.md").read_text().split("## addition")[1] for p in (tmp_path, d)]
     assert tables[0] == tables[1]
@@ -157,14 +168,15 @@ def test_runs_from_another_start_model_are_refused_then_set_aside(runs, tmp_path
     assert len({r["start_model"] for r in stored}) == 1 and stored[0]["start_model"]  # every run fingerprinted, one model
     stored[0]["start_model"] = "0" * 16
     lab.save_compact(str(compact), meta, stored)
-    out = run("bench/lab.py", "mismatch", "--quick", "--runs-dir", tmp_path)
+    out = run("bench/lab.py", *MISMATCH, "--runs-dir", tmp_path)
     assert out.returncode != 0 and "1 stored run(s) of mismatch started from another build of the start model" in out.stderr, out.stderr
     assert not list((tmp_path / "mismatch-quick").glob("addition/*/seed*"))  # refused before any run started
-    out = run_lab("mismatch", "--quick", "--jobs", "1", "--runs-dir", str(tmp_path), "--set-aside")
-    assert "set aside 1 stored run(s)" in out and out.count("] done ") == 1 and out.count("(finished: in the compact metrics file)") == 3, out
+    out = run_lab(*MISMATCH, "--jobs", "1", "--runs-dir", str(tmp_path), "--set-aside")
+    assert ("set aside 1 stored run(s)" in out and out.count("] done ") == 1
+            and out.count("(finished: in the compact metrics file)") == N_MISMATCH - 1), out
     assert [r["start_model"] for r in lab.load_compact(str(compact.parent / "set-aside.jsonl.gz"))[1]] == ["0" * 16]
     text = (tmp_path / "mismatch-quick" / "report.md").read_text()
-    assert "4 finished runs" in out and "1 earlier run(s) that started from another build" in text
+    assert f"{N_MISMATCH} finished runs" in out and "1 earlier run(s) that started from another build" in text
     assert len({r["start_model"] for r in lab.load_compact(str(compact))[1]}) == 1
 
 

@@ -359,7 +359,7 @@ def _final_weights(out_dir):
     return load_file(os.path.join(out_dir, "checkpoints", "step_000001", "policy", "model.safetensors"))
 
 
-MODES = {"dp2": (2, []), "tp2": (2, ["--tp", "2"]), "dp2-fsdp": (2, ["--fsdp"]), "tp2-dp2-fsdp": (4, ["--tp", "2", "--fsdp"]),
+MODES = {"dp2": (2, []), "tp2-dp2-fsdp": (4, ["--tp", "2", "--fsdp"]),
          "2-nodes-fsdp": (1, ["--fsdp"]),  # two torchrun agents (--nnodes 2) of one process each, meeting at a local c10d endpoint
          "tp2-grpo-shared-prefix": (2, ["--tp", "2", "--algo", "grpo"]),  # against a single process without shared prefixes
          "tp2-moe-replay": (2, ["--tp", "2", "--tiny", "moe", "--routing-replay"])}  # experts per rank, replayed routing
@@ -385,8 +385,8 @@ def _torchrun(mode, args, timeout=600):
 
 
 STEP_ARGS = ["--steps", "1", "--critic-pretrain", "0", "--eval-size", "32", "--engine-dtype", "fp32", "--micro-batch", "8"]
-# tp2 and dp2-fsdp run inside tp2-dp2-fsdp's launch (TP-sharded policy and critic, FSDP over dp), and dp2-fsdp's
-# world-2 FSDP path again in 2-nodes-fsdp's; their sharded checkpoints are resumed in test_sharded_resume_equals_uninterrupted.
+# No separate tp=2 or dp=2-with-FSDP launch: both run inside tp2-dp2-fsdp's (TP-sharded policy and critic, FSDP over dp),
+# the world-2 FSDP step again in 2-nodes-fsdp's, and every metric under TP in the two tp2 modes.
 EQUIVALENCE = ["dp2", "tp2-dp2-fsdp", "2-nodes-fsdp", "tp2-grpo-shared-prefix", "tp2-moe-replay"]
 
 
@@ -457,14 +457,14 @@ def test_sglang_engine_end_to_end(tmp_path):
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("mode", ["tp2", "dp2-fsdp"])
-def test_sharded_resume_equals_uninterrupted(tmp_path, mode):
-    """Resume under tensor parallelism or FSDP: sharded optimizer states go back into DTensors, and a run
-    stopped at step 2 and resumed to step 3 logs what an uninterrupted run with the same launch logs."""
+def test_sharded_resume_equals_uninterrupted(tmp_path):
+    """Resume under tensor parallelism and FSDP at once (tp=2 x dp=2): optimizer states sharded over both mesh
+    dimensions go back into DTensors of the same placements (runlog._load_optimizer_state, one path for TP, FSDP and
+    both), and a run stopped at step 2 and resumed to step 3 logs what an uninterrupted run with the same launch logs."""
     def launch(out, steps):
         args = ["--steps", str(steps), "--save-every", "2", "--eval-every", "3", "--eval-size", "16", "--rollout-batch", "16",
                 "--critic-pretrain", "0", "--deterministic", "--out-dir", str(out)]
-        rc, out = _torchrun(mode, args)
+        rc, out = _torchrun("tp2-dp2-fsdp", args)
         assert rc == 0, out[-6000:]
         return out
 
