@@ -439,8 +439,9 @@ def save_checkpoint(out_dir: str, step: int, rank: int, world_size: int, keep: i
 
 def load_trainer_state(ckpt: str, rank: int, world_size: int, optimizers: dict) -> dict:
     """Restore this rank's optimizer and RNG states; returns the saved dict (step and extras). The caller has
-    checked that the launch matches (check_resume)."""
-    state = torch.load(os.path.join(ckpt, f"trainer_rank{rank}.pt"), weights_only=False)
+    checked that the launch matches (check_resume). weights_only=True: tensors, numbers, strings and containers load;
+    any other pickled object (code) is refused, so a tampered checkpoint cannot run anything on resume."""
+    state = torch.load(os.path.join(ckpt, f"trainer_rank{rank}.pt"), weights_only=True)
     for k, opt in optimizers.items():
         _load_optimizer_state(opt, state["optimizers"][k])
     torch.set_rng_state(state["rng"]["torch"])

@@ -125,7 +125,7 @@ def test_blow_up_points_at_the_checkpoint_before_it_and_resumes_with_a_new_lr(tm
     monkeypatch.setattr(evaluation, "score", lambda task, completions, columns: Scores.of(torch.zeros(len(completions))))
     hist = main(small(tmp_path, algo="grpo", grpo_std=False, steps=3, save_every=1, keep_checkpoints=5, max_bad_steps=3, lr=1e-5))
     assert [r["step"] for r in hist if "pretrain/step" not in r] == [0, 1, 2, 3]
-    state = torch.load(tmp_path / "checkpoints" / "step_000003" / "trainer_rank0.pt", weights_only=False)
+    state = torch.load(tmp_path / "checkpoints" / "step_000003" / "trainer_rank0.pt", weights_only=True)
     assert state["optimizers"]["policy"]["param_groups"][0]["lr"] == 1e-5
     assert json.load(open(tmp_path / "config.json"))["resumes"] == [{"step": 2, "changed": {"steps": [8, 3], "lr": [0.0002, 1e-05]}}]
 
@@ -197,3 +197,22 @@ def test_tp_that_cannot_split_the_heads_is_refused_before_weights_load(tmp_path,
     os.remove(os.path.join(path, "model.safetensors"))  # the check must not need the weights
     with pytest.raises(ValueError, match="not divisible by tp=3"):
         train_ppo.check_model(small(tmp_path, tp=3), path, get_task("addition"))
+
+
+class _Payload:
+    def __reduce__(self):  # unpickling this runs os.system
+        return (os.system, ("touch /tmp/icepop_payload_ran",))
+
+
+def test_trainer_state_with_a_pickle_payload_is_refused(tmp_path):
+    """A trainer_rank0.pt carrying a pickled callable is refused on load; the callable never runs."""
+    from runlog import load_trainer_state
+
+    marker = "/tmp/icepop_payload_ran"
+    if os.path.exists(marker):
+        os.remove(marker)
+    torch.save({"step": 1, "optimizers": {}, "rng": {"torch": torch.get_rng_state(), "python": None}, "x": _Payload()},
+               tmp_path / "trainer_rank0.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        load_trainer_state(str(tmp_path), 0, 1, {})
+    assert not os.path.exists(marker)
