@@ -24,6 +24,7 @@ The order sleep -> train -> wake -> sync is written once: rollout_phase sleeps t
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import resource
@@ -362,13 +363,16 @@ def save(run: Run, models: Models, tok, step: int) -> None:
 # ----------------------------------------------------------------------------- the phases of a step
 
 
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, n_train: int, epoch: int) -> torch.Tensor:
+    """The permutation in which epoch `epoch` of the data stream visits the train set (the same on every rank);
+    cached, so a step does not redraw it."""
+    return torch.randperm(n_train, generator=torch.Generator().manual_seed(seed + epoch))
+
+
 def prompt_indices(seed: int, n_train: int, first: int, count: int) -> list[int]:
-    """Train rows first .. first + count - 1 of the data stream: epoch e = i // n_train visits the train set in the
-    permutation seeded seed + e, the same on every rank."""
-    perms = {}
-    for epoch in {i // n_train for i in range(first, first + count)}:
-        perms[epoch] = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    return [perms[i // n_train][i % n_train] for i in range(first, first + count)]
+    """Train rows first .. first + count - 1 of the data stream: row i is row i % n_train of epoch i // n_train."""
+    return [int(epoch_order(seed, n_train, i // n_train)[i % n_train]) for i in range(first, first + count)]
 
 
 def rollout_phase(run: Run, engines: Engines, task, tok, index: int):
