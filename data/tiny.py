@@ -14,6 +14,7 @@ cached under .cache/, one model per built-in task. A few minutes on 2 CPU thread
 import hashlib
 import json
 import os
+import platform
 import random
 import shutil
 import tempfile
@@ -289,6 +290,15 @@ def untie_head(path: str) -> None:
     model.save_pretrained(path)
 
 
+def cpu_name():
+    """The CPU's model name: the warm-up's outcome depends on the CPU's float kernels, so a build records it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine() or "unknown"
+
+
 def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "addition", arch: str = "dense") -> str:
     """Path of the tiny model ("dense", or its MoE twin "moe") warmed up on a built-in task ("addition", "sort" or
     "guess"), built on first use and cached by architecture + task + seed + settings.
@@ -321,7 +331,8 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
     try:
         build_tiny_model(tmp, seed=seed, arch=arch)
         stats = warmup(tmp, tmp, TASKS[task](), **DEFAULT_WARMUP[task], seed=seed)
-        stats["built_with"] = {"threads": BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__}
+        stats["built_with"] = {"threads": BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__,
+                               "cpu": cpu_name()}
         if arch == "moe":
             untie_head(tmp)
         with open(os.path.join(tmp, "warmup.json"), "w") as f:

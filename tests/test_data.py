@@ -306,7 +306,8 @@ def test_default_model_builds_with_fixed_threads(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     built = json.load(open(os.path.join(path, "warmup.json")))["built_with"]
-    assert built == {"threads": tiny.BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__}
+    assert built == {"threads": tiny.BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "cpu": tiny.cpu_name()}
 
 
 @pytest.mark.e2e  # the warm-up run that builds each task's default model (when .cache lacks it)
