@@ -112,14 +112,15 @@ OPTIONS = {
     # 2 epochs x 2 minibatches: every minibatch after the first is off-policy (a single update has ratio 1 throughout)
     "vapo-lambda-dual-clip-epochs": (dict(adaptive_lambda=0.05, dual_clip=3.0, ppo_epochs=2, minibatches=2),
                                      lambda row, out: row["ppo/approx_kl"] > 0 and "ppo/dual_clipfrac" in row),
-    # A coarser engine shows in the mismatch: k3 measured 2.7e-4 with the default bf16 engine, 5.3e-3 with fp8, 2.5e-2 with
-    # int4 + an fp8 KV cache, which also puts 4% of the tokens outside the IcePop band (bf16: none).
+    # A coarser engine shows in the mismatch. The default model's build differs across CPUs, and so do these k3 figures:
+    # bf16 measured 2.7e-4 on one and 1.2e-4 on another, fp8 5.3e-3 and 8.8e-4, int4 + an fp8 KV cache 2.5e-2 and
+    # 3.1e-3; a band of +-10% masks some of int4's tokens (bf16: none).
     "dr-grpo-fp8": (dict(algo="grpo", grpo_std=False, agg="seq-mean-token-sum-norm", engine_dtype="fp8"),
-                    lambda row, out: "grpo/identical_reward_frac" in row and "critic/value_loss" not in row and row["mismatch/k3"] > 1e-3),
+                    lambda row, out: "grpo/identical_reward_frac" in row and "critic/value_loss" not in row and row["mismatch/k3"] > 4e-4),
     "frozen-critic-attention-top-p": (dict(freeze_critic_attention=True, top_p=0.9), lambda row, out: _critic_attention_frozen(out)),
     "sort-micro-batch": (dict(task="sort", rollout_batch=8, micro_batch=4), lambda row, out: _first_sample(out)["prompt"].startswith("sort: ")),
-    "int4-fp8-kv-fp32-eval": (dict(engine_dtype="int4", kv_cache_dtype="fp8", eval_dtype="fp32"),
-                              lambda row, out: row["mismatch/k3"] > 5e-3 and row["mismatch/masked_frac"] > 0),
+    "int4-fp8-kv-fp32-eval": (dict(engine_dtype="int4", kv_cache_dtype="fp8", eval_dtype="fp32", icepop_low=0.9, icepop_high=1.1),
+                              lambda row, out: row["mismatch/k3"] > 1e-3 and row["mismatch/masked_frac"] > 0),
 }
 
 
