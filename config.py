@@ -317,5 +317,5 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
     if cfg.compact_at and not cfg.compact_at + 2 * new < mc.max_position_embeddings:
         raise ValueError(f"--compact-at {cfg.compact_at} leaves no room for the summary request and the summary ({new} tokens) "
                          f"in the model's context of {mc.max_position_embeddings} tokens")
-    check_lengths(task, tok, mc.max_position_embeddings, new)  # every data row, naming the file row
+    check_lengths(task, tok, mc.max_position_embeddings, new, cfg.compact_at)  # every data row, naming the file row
     return tok

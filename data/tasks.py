@@ -217,8 +217,15 @@ def _read_source(name: str, split: str, flag: str) -> tuple[str, list[tuple[str,
                      "datasets.save_to_disk folder or a hub dataset name owner/name")
 
 
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; "tool" carries a tool's result
+ANSWERED = ("user", "tool")  # the roles a prompt may end on: the policy answers them as the assistant
+
+
 def _prompt_problem(p) -> str | None:
-    """Why `p` is not a prompt (a non-empty string, or a non-empty list of {"role", "content"} string dicts)."""
+    """Why `p` is not a prompt: a non-empty string, or a non-empty list of {"role", "content"} string dicts with roles
+    from ROLES, a user message among them, and the last one a user (or tool) message: the policy continues after the
+    last message with an assistant header, so a prompt ending on an assistant message would have it answer itself
+    (often the reference answer left in the prompt)."""
     if isinstance(p, str):
         return None if p.strip() else "is empty"
     if not isinstance(p, list):
@@ -229,6 +236,13 @@ def _prompt_problem(p) -> str | None:
     for j, msg in enumerate(p):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
             return f"message {j} is {msg!r}, expected a dict with string 'role' and 'content'"
+        if msg["role"] not in ROLES:
+            return f"message {j} has role {msg['role']!r}; a message's role is one of {', '.join(ROLES)}"
+    if not any(m["role"] == "user" for m in p):
+        return f"has no user message (roles: {', '.join(m['role'] for m in p)}); a prompt needs one for the policy to answer"
+    if p[-1]["role"] not in ANSWERED:
+        return (f"ends on message {len(p) - 1} of role {p[-1]['role']!r}; the last message must be a user (or tool) "
+                "message, which the policy answers: drop the trailing message (is it the answer?)")
     return None
 
 
@@ -372,23 +386,38 @@ def encode_prompt(tok, prompt) -> list[int]:
     return tok(_chat_text(tok, prompt), add_special_tokens=False).input_ids
 
 
-def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int) -> None:
-    """Refuse, before any training, a task with a prompt (train or test, as encode_prompt encodes it) whose
-    tokens + max_new_tokens exceed context_len. The ValueError names the first such row and counts them all."""
-    too_long = []  # (where, prompt tokens)
+def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int, compact_at: int = 0) -> None:
+    """Refuse, before any training, a task with a prompt (train or test, as encode_prompt encodes it) that the chat
+    template rejects, or whose tokens + max_new_tokens exceed context_len (the ValueError names the first such row
+    and counts them all), and a `compact_at` (--compact-at) below the longest prompt + 2 x max_new_tokens: a row
+    after a compaction starts with the prompt and the summary (up to max_new_tokens) and must fit a turn before the
+    next, else every turn compacts. (With --env the prompts measured are the rows reset() is given.)"""
+    lengths = []  # (prompt tokens, where) of every row
     for split, ds in (("train", task.train), ("test", task.test)):
         if not len(ds):
             continue
-        lengths = map(len, tok([_chat_text(tok, p) for p in ds["prompt"]], add_special_tokens=False).input_ids)
-        wheres = ds["where"] if "where" in ds.column_names else (f"{task.name}: {split} row {i}" for i in range(len(ds)))
-        too_long += [(w, n) for w, n in zip(wheres, lengths) if n + max_new_tokens > context_len]
+        wheres = ds["where"] if "where" in ds.column_names else [f"{task.name}: {split} row {i}" for i in range(len(ds))]
+        texts = []
+        for where, p in zip(wheres, ds["prompt"]):
+            try:
+                texts.append(_chat_text(tok, p))
+            except Exception as e:  # jinja2's TemplateError (a template's raise_exception), or its own bugs
+                roles = "user" if isinstance(p, str) else ", ".join(m["role"] for m in p)
+                raise ValueError(f"check_lengths: {where}: the chat template of {tok.name_or_path} refuses this prompt "
+                                 f"(roles: {roles}): {type(e).__name__}: {e}") from e
+        lengths += zip(map(len, tok(texts, add_special_tokens=False).input_ids), wheres)
+    too_long = [(n, w) for n, w in lengths if n + max_new_tokens > context_len]
     if too_long:
-        where, n = too_long[0]
-        n_rows = len(task.train) + len(task.test)
+        n, where = too_long[0]
         raise ValueError(f"check_lengths: {where}: the prompt is {n} tokens (chat-formatted) + max_new_tokens "
                          f"{max_new_tokens} = {n + max_new_tokens}, over the context length {context_len}; shorten "
-                         f"the prompt or lower --max-new-tokens, or drop the row. {len(too_long)} of {n_rows} rows "
-                         f"are too long, the longest prompt is {max(n for _, n in too_long)} tokens")
+                         f"the prompt or lower --max-new-tokens, or drop the row. {len(too_long)} of {len(lengths)} rows "
+                         f"are too long, the longest prompt is {max(n for n, _ in too_long)} tokens")
+    longest, where = max(lengths, default=(0, ""), key=lambda x: x[0])
+    if compact_at and compact_at < longest + 2 * max_new_tokens:
+        raise ValueError(f"--compact-at {compact_at} is below the longest prompt ({where}: {longest} tokens) + a summary "
+                         f"and a turn (2 x --max-new-tokens {max_new_tokens}) = {longest + 2 * max_new_tokens}: every turn "
+                         "would end in a summary; raise --compact-at (or 0 = off)")
 
 
 def guess_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ranges: float = 0.15) -> Task:
