@@ -109,13 +109,14 @@ RESERVED = ("where", "prompts", "completions")
 
 def _read_rows(path: str) -> list[tuple[str, dict]]:
     """(where, row) for each row of a .jsonl / .json / .csv / .parquet file, in file order. `where` names the row
-    for error messages: "row 2 (line 3)" for JSONL (and .json holding JSON lines) and CSV, "row 2" otherwise."""
+    for error messages: "row 2 (line 3)" for JSONL (and .json holding JSON lines) and CSV, "row 2" otherwise.
+    Text files are UTF-8, with or without the byte-order mark that Excel and Windows editors write."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".json":  # a list of objects, or JSON lines under a .json name
         with open(path, "rb") as f:
             raw = f.read()
         try:
-            data = json.loads(raw.decode("utf-8"))
+            data = json.loads(raw.decode("utf-8-sig"))
         except UnicodeDecodeError:
             data = None  # _read_json_lines names the line
         except json.JSONDecodeError as e:
@@ -136,11 +137,21 @@ def _read_rows(path: str) -> list[tuple[str, dict]]:
         return _read_json_lines(path)
     if ext == ".csv":
         try:
-            with open(path, newline="", encoding="utf-8") as f:
+            with open(path, newline="", encoding="utf-8-sig") as f:
                 reader = csv.DictReader(f)
-                return [(f"row {i} (line {reader.line_num})", row) for i, row in enumerate(reader)]
+                rows = [(f"row {i} (line {reader.line_num})", row) for i, row in enumerate(reader)]
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}); the file must be UTF-8 encoded") from None
+        header = reader.fieldnames or []
+        if len(header) == 1 and (sep := next((c for c in ";\t|" if c in header[0]), None)):
+            raise ValueError(f"{path}: its header is one column, {header[0]!r}: the file must be comma-separated, not "
+                             f"{sep!r}-separated (in Excel: save as \"CSV UTF-8 (comma delimited)\")")
+        for where, row in rows:  # DictReader files a row's surplus fields under None and fills missing ones with None
+            if None in row or None in row.values():
+                n = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None, ()))
+                raise ValueError(f"{path}: {where} has {n} field(s) where the header has {len(header)} ({', '.join(header)}); "
+                                 "quote a field that holds a comma (\"a, b\")")
+        return rows
     if ext == ".parquet":
         # pyarrow directly: Dataset.from_parquet would also write a copy into the HF datasets cache.
         return [(f"row {i}", row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]
@@ -156,6 +167,8 @@ def _read_json_lines(path: str) -> list[tuple[str, dict]]:
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}: line {line_no} is not valid UTF-8 ({e.reason} at byte {e.start} of the "
                                  "line); the file must be UTF-8 encoded") from None
+            if line_no == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark
             if not line.strip():
                 continue
             where = f"row {len(rows)} (line {line_no})"
@@ -263,11 +276,13 @@ def _examples(label: str, rows: list[tuple[str, dict]], prompt_field: str, answe
     for where, row in rows:
         for field in (prompt_field, answer_field):
             if field not in row:
-                raise ValueError(f"{label}: {where} has no field {field!r} (it has {sorted(row)})")
+                flag = "--prompt-key" if field == prompt_field else "--answer-key"
+                raise ValueError(f"{label}: {where} has no field {field!r} ({flag}; the row has {sorted(row)})")
             if row[field] is None:
                 raise ValueError(f"{label}: {where} field {field!r} is null, expected a string")
         if not isinstance(row[answer_field], str):
-            raise ValueError(f"{label}: {where} field {answer_field!r} has type {type(row[answer_field]).__name__}, expected a string")
+            raise ValueError(f"{label}: {where} field {answer_field!r} has type {type(row[answer_field]).__name__}, expected a "
+                             f"string: write {row[answer_field]!r} as {json.dumps(str(row[answer_field]))} (rewards compare text)")
         if why := _prompt_problem(row[prompt_field]):
             raise ValueError(f"{label}: {where} field {prompt_field!r} {why}")
         extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
@@ -403,7 +418,7 @@ def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int, compac
                 texts.append(_chat_text(tok, p))
             except Exception as e:  # jinja2's TemplateError (a template's raise_exception), or its own bugs
                 roles = "user" if isinstance(p, str) else ", ".join(m["role"] for m in p)
-                raise ValueError(f"check_lengths: {where}: the chat template of {tok.name_or_path} refuses this prompt "
+                raise ValueError(f"check_lengths: {where}: the chat template of {tok.name_or_path} fails on this prompt "
                                  f"(roles: {roles}): {type(e).__name__}: {e}") from e
         lengths += zip(map(len, tok(texts, add_special_tokens=False).input_ids), wheres)
     too_long = [(n, w) for n, w in lengths if n + max_new_tokens > context_len]
