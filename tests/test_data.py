@@ -483,13 +483,32 @@ def test_weights_that_do_not_fill_the_architecture_are_refused_by_name(tmp_path,
     load_critic(str(tmp_path / "critic"))
 
 
+SYSTEM_REFUSED = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}"
+
+
 @pytest.mark.e2e
-def test_a_run_on_weights_missing_a_tensor_stops_before_training(tmp_path, tiny_dir):
+@pytest.mark.parametrize("case, message", [
+    ("missing_tensor", r"--model: the weights in .*/m \(model.safetensors\) do not match its config.json: the folder lacks 1 "
+                       r"tensor\(s\) that LlamaForCausalLM needs: model.layers.2.self_attn.o_proj.weight"),
+    ("truncated_config", r"--model .*/m: its config.json cannot be read as a model config"),
+    ("answered_prompt", r"d.jsonl: row 2 \(line 3\) field 'prompt' ends on message 1 of role 'assistant'"),
+    ("template_fails", r"d.jsonl: row \d \(line \d\): the chat template of .*/m fails on this prompt \(roles: system, user\)"),
+    ("compact_at", r"--compact-at 40 is below the longest prompt \(guess: \w+ row \d+: 30 tokens\)"),
+])
+def test_hostile_inputs_stop_the_run_before_training(tmp_path, tiny_dir, case, message):
+    """main() on each: the error names the file, row, tensor or flag, and nothing is written to the run folder."""
     from conftest import small
     from train_ppo import main
 
-    path = _damaged_copy(tiny_dir, tmp_path / "m", drop=["model.layers.2.self_attn.o_proj.weight"])
-    with pytest.raises(ValueError, match=rf"--model: the weights in {re.escape(path)} .* lacks 1 tensor\(s\) that LlamaForCausalLM "
-                                         r"needs: model.layers.2.self_attn.o_proj.weight"):
-        main(small(tmp_path / "run", model=path))
+    damage = {"missing_tensor": dict(drop=["model.layers.2.self_attn.o_proj.weight"]), "truncated_config": dict(config='{"model_'),
+              "template_fails": dict(write={"chat_template.jinja": SYSTEM_REFUSED})}.get(case, {})
+    model = _damaged_copy(tiny_dir, tmp_path / "m", **damage)
+    last = _msgs("system", "user") if case == "template_fails" else _msgs("user", "assistant")
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(2)] + [{"prompt": last, "answer": "9"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kw = dict(task=str(tmp_path / "d.jsonl")) if case in ("answered_prompt", "template_fails") else {}
+    if case == "compact_at":
+        kw = dict(task="guess", compact_at=40)
+    with pytest.raises(ValueError, match=message):
+        main(small(tmp_path / "run", model=model, **kw))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
