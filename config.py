@@ -5,6 +5,7 @@ A resume is checked against the recorded run by runlog.check_resume."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -321,6 +322,8 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
         raise ValueError(f"{name}: the tokenizer has {len(tok)} tokens but the model's vocabulary only {mc.vocab_size}")
     if tok.eos_token_id is None or not tok.chat_template:
         raise ValueError(f"{name}: the tokenizer needs an EOS token and a chat template (responses stop at EOS; prompts are chat turns)")
+    if tok.pad_token_id is None:  # many base models ship none (Llama 3); every forward masks padding out, so EOS serves
+        tok.pad_token = tok.eos_token
     new = cfg.max_new_tokens or task.max_new_tokens
     if new >= mc.max_position_embeddings:
         raise ValueError(f"--max-new-tokens {new} leaves no room for a prompt in the model's context of {mc.max_position_embeddings} tokens")
@@ -330,4 +333,13 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
     check_lengths(task, tok, mc.max_position_embeddings, new, cfg.compact_at)  # every data row, naming the file row
     if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
         raise ValueError(f"{name} has no weights (no *.safetensors or *.bin file); save the model there with model.save_pretrained")
+    index = os.path.join(path, "model.safetensors.index.json")  # a sharded folder: an interrupted copy lacks shards
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{name}: {index} is unreadable ({type(e).__name__}: {e})") from e
+        if missing := sorted(s for s in shards if not os.path.isfile(os.path.join(path, s))):
+            raise ValueError(f"{name}: {index} names {len(missing)} shard(s) the folder lacks: {', '.join(missing)}")
     return tok

@@ -450,6 +450,8 @@ def _damaged_copy(src, dst, *, drop=(), add=None, reshape=None, config=None, rem
     (dict(config="{}"), r"its config.json cannot be read as a model config \(ValueError: Unrecognized model"),
     (dict(write={"tokenizer.json": "{"}), r"its tokenizer cannot be loaded \(JSONDecodeError"),
     (dict(remove=["model.safetensors"]), r"has no weights \(no \*.safetensors or \*.bin file\)"),
+    (dict(write={"model.safetensors.index.json": json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})}),
+     r".*model.safetensors.index.json names 1 shard\(s\) the folder lacks: model-00002-of-00002.safetensors"),
 ])
 def test_damaged_model_folders_are_refused_before_any_model_loads(tmp_path, tiny_dir, damage, message):
     from config import Config, check_model
@@ -457,6 +459,18 @@ def test_damaged_model_folders_are_refused_before_any_model_loads(tmp_path, tiny
     path = _damaged_copy(tiny_dir, tmp_path / "m", **damage)
     with pytest.raises(ValueError, match=rf"--model {re.escape(path)}: {message}|--model {re.escape(path)} {message}"):
         check_model(Config(model=path), path, addition_task(n_train=10, n_test=2))
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, tiny_dir):
+    """Llama 3 and other base models ship no pad token; the trainer pads (masked out) with EOS instead of failing
+    on the first batch."""
+    from config import Config, check_model
+
+    config = json.load(open(os.path.join(tiny_dir, "tokenizer_config.json")))
+    del config["pad_token"]
+    path = _damaged_copy(tiny_dir, tmp_path / "m", write={"tokenizer_config.json": json.dumps(config)})
+    assert transformers.AutoTokenizer.from_pretrained(path).pad_token_id is None
+    assert check_model(Config(model=path), path, addition_task(n_train=10, n_test=2)).pad_token_id == EOS_ID
 
 
 @pytest.mark.parametrize("damage, message", [
