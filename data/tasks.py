@@ -123,6 +123,11 @@ def _read_rows(path: str) -> list[tuple[str, dict]]:
             if "Extra data" not in e.msg:  # not several JSON values: a broken file
                 raise ValueError(f"{path}: not valid JSON: {e}") from None
             data = None
+        values = list(data.values()) if isinstance(data, dict) else []
+        if len(values) > 1 and (all(isinstance(v, dict) for v in values) or all(isinstance(v, list) for v in values)):
+            raise ValueError(f"{path}: holds one JSON object of columns ({', '.join(map(str, data))}), as pandas' "
+                             "DataFrame.to_json() and Dataset.to_dict() write them; write one object per row: "
+                             "df.to_json(path, orient='records'), or lines=True for a .jsonl")
         if data is None or isinstance(data, dict):
             return _read_json_lines(path)
         if not isinstance(data, list):
@@ -280,9 +285,9 @@ def _examples(label: str, rows: list[tuple[str, dict]], prompt_field: str, answe
                 raise ValueError(f"{label}: {where} has no field {field!r} ({flag}; the row has {sorted(row)})")
             if row[field] is None:
                 raise ValueError(f"{label}: {where} field {field!r} is null, expected a string")
-        if not isinstance(row[answer_field], str):
-            raise ValueError(f"{label}: {where} field {answer_field!r} has type {type(row[answer_field]).__name__}, expected a "
-                             f"string: write {row[answer_field]!r} as {json.dumps(str(row[answer_field]))} (rewards compare text)")
+        if not isinstance(answer := row[answer_field], str):
+            fix = f": write {answer!r} as {json.dumps(str(answer))} (rewards compare text)" if _kind(answer) == "number" else ""
+            raise ValueError(f"{label}: {where} field {answer_field!r} has type {type(answer).__name__}, expected a string{fix}")
         if why := _prompt_problem(row[prompt_field]):
             raise ValueError(f"{label}: {where} field {prompt_field!r} {why}")
         extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}

@@ -376,14 +376,19 @@ def _msgs(*roles):
     ("comma.csv", "q9, with a comma,9\n", {}, r"row 2 \(line 4\) has 3 field\(s\) where the header has 2 \(prompt, answer\); quote"),
     ("short.csv", "q9\n", {}, r"row 2 \(line 4\) has 1 field\(s\) where the header has 2"),
     ("semicolon.csv", None, {}, r"its header is one column, 'prompt;answer': the file must be comma-separated, not ';'"),
+    ("columns.json", {"prompt": {"0": "q0", "1": "q1"}, "answer": {"0": "0", "1": "1"}}, {},  # pandas' to_json() default
+     r"holds one JSON object of columns \(prompt, answer\), as pandas' DataFrame.to_json\(\) .* orient='records'"),
 ])
 def test_bad_rows_are_refused_naming_file_row_and_field(tmp_path, name, data, kw, message):
-    """Each file is two good rows and a bad one; the ValueError names the file, the row and the field or flag."""
+    """Each file holds a bad row (after two good ones) or a bad shape; the ValueError names the file, the row and the
+    field or flag."""
     path = tmp_path / name
     if name == "semicolon.csv":
         path.write_text("prompt;answer\nq0;0\nq1;1\n")
     elif name.endswith(".csv"):
         path.write_text("prompt,answer\nq0,0\nq1,1\n" + data)
+    elif name == "columns.json":
+        path.write_text(json.dumps(data))
     else:
         path.write_text("".join(json.dumps(r) + "\n" for r in CHAT_ROWS[:2] + [data]))
     with pytest.raises(ValueError, match=message) as err:
