@@ -5,6 +5,7 @@ A resume is checked against the recorded run by runlog.check_resume."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -223,7 +224,9 @@ def resolve(cfg: Config, world_size: int) -> dict:
         Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or 1, (), max(n, 1), cfg.seed)
     except ValueError as e:
         errors.append(re.sub(r"Sampling\.(\w+)", lambda x: "--" + x.group(1).replace("_", "-"), str(e)))
-    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
+    if not cfg.out_dir.strip():  # '' would write the run (and resume one) in the current folder
+        errors.append("--out-dir must not be empty (give the run folder, e.g. outputs/run)")
+    elif os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         errors.append(f"--out-dir {cfg.out_dir!r} exists and is not a folder")
     else:
         parent = cfg.out_dir
@@ -290,9 +293,13 @@ def resolve(cfg: Config, world_size: int) -> dict:
 
 
 def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
-    """What can be checked of the model folder and the data without loading weights; returns the tokenizer."""
+    """What can be checked of the model folder and the data without loading weights; returns the tokenizer. (Whether
+    the weights fill the architecture is checked as they load: decoder.load_pretrained.)"""
     name = f"--model {path}" if cfg.model else f"the default model {path}"
-    mc = AutoConfig.from_pretrained(path)
+    try:  # transformers' errors name neither the flag nor, for some, the file
+        mc = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{name}: its config.json cannot be read as a model config ({type(e).__name__}: {e})") from e
     if mc.model_type not in SUPPORTED_MODELS:
         raise ValueError(f"{name}: model type {mc.model_type!r} is not supported (the engine, the TP plan and the critic "
                          f"implement {', '.join(SUPPORTED_MODELS)})")
@@ -306,16 +313,33 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
     if cfg.tp > 1:  # the head counts against --tp, on a weightless copy
         with torch.device("meta"):
             check_tp(AutoModelForCausalLM.from_config(mc), cfg.tp)
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a damaged tokenizer.json raises a bare JSONDecodeError; a slow-only one, a converter's error
+        raise ValueError(f"{name}: its tokenizer cannot be loaded ({type(e).__name__}: {e}); save a working one there with "
+                         "tokenizer.save_pretrained") from e
     if len(tok) > mc.vocab_size:
         raise ValueError(f"{name}: the tokenizer has {len(tok)} tokens but the model's vocabulary only {mc.vocab_size}")
     if tok.eos_token_id is None or not tok.chat_template:
         raise ValueError(f"{name}: the tokenizer needs an EOS token and a chat template (responses stop at EOS; prompts are chat turns)")
+    if tok.pad_token_id is None:  # many base models ship none (Llama 3); every forward masks padding out, so EOS serves
+        tok.pad_token = tok.eos_token
     new = cfg.max_new_tokens or task.max_new_tokens
     if new >= mc.max_position_embeddings:
         raise ValueError(f"--max-new-tokens {new} leaves no room for a prompt in the model's context of {mc.max_position_embeddings} tokens")
     if cfg.compact_at and not cfg.compact_at + 2 * new < mc.max_position_embeddings:
         raise ValueError(f"--compact-at {cfg.compact_at} leaves no room for the summary request and the summary ({new} tokens) "
                          f"in the model's context of {mc.max_position_embeddings} tokens")
-    check_lengths(task, tok, mc.max_position_embeddings, new)  # every data row, naming the file row
+    check_lengths(task, tok, mc.max_position_embeddings, new, cfg.compact_at)  # every data row, naming the file row
+    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
+        raise ValueError(f"{name} has no weights (no *.safetensors or *.bin file); save the model there with model.save_pretrained")
+    index = os.path.join(path, "model.safetensors.index.json")  # a sharded folder: an interrupted copy lacks shards
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{name}: {index} is unreadable ({type(e).__name__}: {e})") from e
+        if missing := sorted(s for s in shards if not os.path.isfile(os.path.join(path, s))):
+            raise ValueError(f"{name}: {index} names {len(missing)} shard(s) the folder lacks: {', '.join(missing)}")
     return tok

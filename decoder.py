@@ -2,10 +2,13 @@
 Qwen3-MoE causal LM over its weights fused into a per-layer store (q/k/v and gate/up as one matrix each), gpt-fast
 style: SDPA, RoPE, GQA and the engine's preallocated KV cache, no mask builders or cache objects per step. Every
 operation follows Hugging Face's order and dtypes, so an fp32 engine's log-probs equal the trainer's
-(tests/test_rollout.py). The engine owns the weights (precision, sync, memory) and sampling; this module the math.
+(tests/test_rollout.py). The engine owns the weights (precision, sync, memory) and sampling; this module the math,
+and `load_pretrained`, the one way the project loads a model folder's weights.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,30 @@ from torch import Tensor
 
 import moe
 from parallel import SUPPORTED_MODELS
+
+
+def load_pretrained(cls, path: str, what: str, *, new: tuple[str, ...] = (), unused: tuple[str, ...] = (), **kw):
+    """cls.from_pretrained(path, **kw) that refuses weights which do not fill the architecture: a tensor the model has
+    and the files lack (transformers would initialise it at random, and the run would train on it), one the files
+    have and the model does not use, or one of another shape. `what` names the source in the message ("--model
+    path"); `new` and `unused` are name prefixes that may be missing (a fresh head) or left over (a dropped head).
+    Transformers' own loading report decides, so tied embeddings, unsaved buffers and its checkpoint key renames
+    count as it loads them, at no cost beyond the load itself."""
+    model, info = cls.from_pretrained(path, output_loading_info=True, ignore_mismatched_sizes=True, **kw)
+    name = type(model).__name__
+    shape = lambda k: f"{k[0]} ({tuple(k[1])} in the files, {tuple(k[2])} in the model)" if isinstance(k, tuple) else str(k)  # noqa: E731
+    problems = {f"lacks {{}} tensor(s) that {name} needs": sorted(k for k in info["missing_keys"] if not k.startswith(new)),
+                f"has {{}} tensor(s) that {name} does not use": sorted(k for k in info["unexpected_keys"] if not k.startswith(unused)),
+                "has {} tensor(s) of another shape than the model's": sorted(map(shape, info["mismatched_keys"]))}
+    if any(problems.values()):
+        files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".index.json")))
+        why = "; it ".join(f"{how.format(len(ks))}: {', '.join(ks[:5])}{', ...' if len(ks) > 5 else ''}"
+                           for how, ks in problems.items() if ks)
+        raise ValueError(f"{what}: the weights in {path} ({', '.join(files) or 'no weight files'}) do not match its "
+                         f"config.json: the folder {why}. Fix the folder (model.save_pretrained writes a complete one) "
+                         "or its config.json")
+    return model
+
 
 # HF name inside a decoder layer -> (slot in the fused per-layer store, part index). Parts of one slot
 # are concatenated along dim 0 (output rows) so q/k/v and gate/up each run as a single matmul.

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import losses
-from decoder import LAYER_SLOTS, TOP_SLOTS, Decoder, check_arch
+from decoder import LAYER_SLOTS, TOP_SLOTS, Decoder, check_arch, load_pretrained
 from parallel import full_weights
 
 
@@ -270,7 +270,7 @@ class EmbeddedEngine:
         if isinstance(model_or_path, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
 
-            model_or_path = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=torch.float32)
+            model_or_path = load_pretrained(AutoModelForCausalLM, model_or_path, "EmbeddedEngine", dtype=torch.float32)
         c = model_or_path.config
         check_arch(c)
         self.config, self.dtype_name, self.dtype = c, dtype, DTYPES[dtype]

@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 import losses
 import moe
@@ -49,7 +48,7 @@ from forward import check_head, micro, minibatches, response_logprobs, response_
 from parallel import Runtime, all_reduce, all_reduce_grads, clip_grad_norm_, init_runtime, make_mesh, parallelize, print0
 from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights
 from runlog import Metrics, RunLog, check_resume, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint, timed
-from value_model import (PLATEAU_WINDOW, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic,
+from value_model import (PLATEAU_WINDOW, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic, load_policy,
                          set_head_to_mean)
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -291,7 +290,7 @@ def build_models(run: Run, model_path: str) -> Models:
     cfg, rt = run.cfg, run.rt
     path = os.path.join(run.ckpt, "policy") if run.ckpt else model_path
     torch.manual_seed(cfg.seed)
-    policy = moe.install(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(rt.device))  # MoE: record / replay routing
+    policy = moe.install(load_policy(path, "the checkpoint" if run.ckpt else "--model").to(rt.device))  # MoE: record / replay routing
     check_head(policy)  # on the plain model: a forward under FSDP would leave the root's weights gathered as the optimiser's
     if run.share and policy.config._attn_implementation != "sdpa":
         raise ValueError(f"--shared-prefix needs SDPA attention (a boolean block mask); the model uses "
@@ -306,7 +305,7 @@ def build_models(run: Run, model_path: str) -> Models:
         critic = parallelize(critic.to(rt.device), run.tp_mesh, run.fsdp)
         opts["critic"] = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=run.plan["critic_lr_used"], weight_decay=0.0)
     if cfg.kl != "none":  # the frozen initial policy, also on resume
-        ref = moe.install(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(rt.device).requires_grad_(False))
+        ref = moe.install(load_policy(model_path).to(rt.device).requires_grad_(False))
         ref = parallelize(ref, run.tp_mesh, run.fsdp).eval()
     models = Models(policy, critic, ref, opts, path, start=0, bad={k: 0 for k in opts}, fresh_head=critic is not None and not run.ckpt,
                     saved_at=0)

@@ -1,4 +1,4 @@
-"""The critic: the policy's backbone with a fresh scalar head.
+"""The critic: the policy's backbone with a fresh scalar head; and load_policy, the policy's (and reference's) load.
 
 It is a stock Hugging Face ``AutoModelForTokenClassification`` with ``num_labels=1``: ``.model`` is the
 backbone (the same module names as the policy's, so parallel.py's TP plan covers it) and ``.score`` is a
@@ -17,7 +17,16 @@ import math
 
 import torch
 from torch import Tensor, nn
-from transformers import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoConfig, AutoModelForTokenClassification, PreTrainedModel
+from transformers import (MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
+                          PreTrainedModel)
+
+from decoder import load_pretrained
+
+
+def load_policy(path: str, what: str = "--model") -> PreTrainedModel:
+    """The fp32 causal LM of a model folder; weights that do not fill its architecture are refused naming `what` and
+    the tensors (decoder.load_pretrained)."""
+    return load_pretrained(AutoModelForCausalLM, path, what, dtype=torch.float32)
 
 
 def _critic_config(config):
@@ -40,7 +49,9 @@ def build_critic(policy: str | PreTrainedModel, *, head_std: float = 0.02, dtype
     """
     if isinstance(policy, str):
         config = _critic_config(AutoConfig.from_pretrained(policy))
-        critic = AutoModelForTokenClassification.from_pretrained(policy, config=config, dtype=dtype or "auto")
+        # The policy's files have no value head (new) and may have an untied lm_head the critic drops (unused).
+        critic = load_pretrained(AutoModelForTokenClassification, policy, "--model", new=("score.",), unused=("lm_head.",),
+                                 config=config, dtype=dtype or "auto")
     else:
         config = _critic_config(policy.config.__class__.from_dict(policy.config.to_dict()))
         critic = AutoModelForTokenClassification.from_config(config, dtype=dtype or policy.dtype)
@@ -85,7 +96,7 @@ def ev_plateaued(evs: list[float]) -> bool:
 
 def load_critic(path: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
     """Load a critic saved with ``save_pretrained`` (a plain HF token-classification folder)."""
-    return AutoModelForTokenClassification.from_pretrained(path, dtype=dtype or "auto")
+    return load_pretrained(AutoModelForTokenClassification, path, "the critic checkpoint", dtype=dtype or "auto")
 
 
 def critic_values(critic: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:

@@ -109,19 +109,25 @@ RESERVED = ("where", "prompts", "completions")
 
 def _read_rows(path: str) -> list[tuple[str, dict]]:
     """(where, row) for each row of a .jsonl / .json / .csv / .parquet file, in file order. `where` names the row
-    for error messages: "row 2 (line 3)" for JSONL (and .json holding JSON lines) and CSV, "row 2" otherwise."""
+    for error messages: "row 2 (line 3)" for JSONL (and .json holding JSON lines) and CSV, "row 2" otherwise.
+    Text files are UTF-8, with or without the byte-order mark that Excel and Windows editors write."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".json":  # a list of objects, or JSON lines under a .json name
         with open(path, "rb") as f:
             raw = f.read()
         try:
-            data = json.loads(raw.decode("utf-8"))
+            data = json.loads(raw.decode("utf-8-sig"))
         except UnicodeDecodeError:
             data = None  # _read_json_lines names the line
         except json.JSONDecodeError as e:
             if "Extra data" not in e.msg:  # not several JSON values: a broken file
                 raise ValueError(f"{path}: not valid JSON: {e}") from None
             data = None
+        values = list(data.values()) if isinstance(data, dict) else []
+        if len(values) > 1 and (all(isinstance(v, dict) for v in values) or all(isinstance(v, list) for v in values)):
+            raise ValueError(f"{path}: holds one JSON object of columns ({', '.join(map(str, data))}), as pandas' "
+                             "DataFrame.to_json() and Dataset.to_dict() write them; write one object per row: "
+                             "df.to_json(path, orient='records'), or lines=True for a .jsonl")
         if data is None or isinstance(data, dict):
             return _read_json_lines(path)
         if not isinstance(data, list):
@@ -136,11 +142,21 @@ def _read_rows(path: str) -> list[tuple[str, dict]]:
         return _read_json_lines(path)
     if ext == ".csv":
         try:
-            with open(path, newline="", encoding="utf-8") as f:
+            with open(path, newline="", encoding="utf-8-sig") as f:
                 reader = csv.DictReader(f)
-                return [(f"row {i} (line {reader.line_num})", row) for i, row in enumerate(reader)]
+                rows = [(f"row {i} (line {reader.line_num})", row) for i, row in enumerate(reader)]
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}); the file must be UTF-8 encoded") from None
+        header = reader.fieldnames or []
+        if len(header) == 1 and (sep := next((c for c in ";\t|" if c in header[0]), None)):
+            raise ValueError(f"{path}: its header is one column, {header[0]!r}: the file must be comma-separated, not "
+                             f"{sep!r}-separated (in Excel: save as \"CSV UTF-8 (comma delimited)\")")
+        for where, row in rows:  # DictReader files a row's surplus fields under None and fills missing ones with None
+            if None in row or None in row.values():
+                n = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None, ()))
+                raise ValueError(f"{path}: {where} has {n} field(s) where the header has {len(header)} ({', '.join(header)}); "
+                                 "quote a field that holds a comma (\"a, b\")")
+        return rows
     if ext == ".parquet":
         # pyarrow directly: Dataset.from_parquet would also write a copy into the HF datasets cache.
         return [(f"row {i}", row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]
@@ -156,6 +172,8 @@ def _read_json_lines(path: str) -> list[tuple[str, dict]]:
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}: line {line_no} is not valid UTF-8 ({e.reason} at byte {e.start} of the "
                                  "line); the file must be UTF-8 encoded") from None
+            if line_no == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark
             if not line.strip():
                 continue
             where = f"row {len(rows)} (line {line_no})"
@@ -217,8 +235,15 @@ def _read_source(name: str, split: str, flag: str) -> tuple[str, list[tuple[str,
                      "datasets.save_to_disk folder or a hub dataset name owner/name")
 
 
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; "tool" carries a tool's result
+ANSWERED = ("user", "tool")  # the roles a prompt may end on: the policy answers them as the assistant
+
+
 def _prompt_problem(p) -> str | None:
-    """Why `p` is not a prompt (a non-empty string, or a non-empty list of {"role", "content"} string dicts)."""
+    """Why `p` is not a prompt: a non-empty string, or a non-empty list of {"role", "content"} string dicts with roles
+    from ROLES, a user message among them, and the last one a user (or tool) message: the policy continues after the
+    last message with an assistant header, so a prompt ending on an assistant message would have it answer itself
+    (often the reference answer left in the prompt)."""
     if isinstance(p, str):
         return None if p.strip() else "is empty"
     if not isinstance(p, list):
@@ -229,6 +254,13 @@ def _prompt_problem(p) -> str | None:
     for j, msg in enumerate(p):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
             return f"message {j} is {msg!r}, expected a dict with string 'role' and 'content'"
+        if msg["role"] not in ROLES:
+            return f"message {j} has role {msg['role']!r}; a message's role is one of {', '.join(ROLES)}"
+    if not any(m["role"] == "user" for m in p):
+        return f"has no user message (roles: {', '.join(m['role'] for m in p)}); a prompt needs one for the policy to answer"
+    if p[-1]["role"] not in ANSWERED:
+        return (f"ends on message {len(p) - 1} of role {p[-1]['role']!r}; the last message must be a user (or tool) "
+                "message, which the policy answers: drop the trailing message (is it the answer?)")
     return None
 
 
@@ -249,11 +281,13 @@ def _examples(label: str, rows: list[tuple[str, dict]], prompt_field: str, answe
     for where, row in rows:
         for field in (prompt_field, answer_field):
             if field not in row:
-                raise ValueError(f"{label}: {where} has no field {field!r} (it has {sorted(row)})")
+                flag = "--prompt-key" if field == prompt_field else "--answer-key"
+                raise ValueError(f"{label}: {where} has no field {field!r} ({flag}; the row has {sorted(row)})")
             if row[field] is None:
                 raise ValueError(f"{label}: {where} field {field!r} is null, expected a string")
-        if not isinstance(row[answer_field], str):
-            raise ValueError(f"{label}: {where} field {answer_field!r} has type {type(row[answer_field]).__name__}, expected a string")
+        if not isinstance(answer := row[answer_field], str):
+            fix = f": write {answer!r} as {json.dumps(str(answer))} (rewards compare text)" if _kind(answer) == "number" else ""
+            raise ValueError(f"{label}: {where} field {answer_field!r} has type {type(answer).__name__}, expected a string{fix}")
         if why := _prompt_problem(row[prompt_field]):
             raise ValueError(f"{label}: {where} field {prompt_field!r} {why}")
         extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
@@ -372,23 +406,38 @@ def encode_prompt(tok, prompt) -> list[int]:
     return tok(_chat_text(tok, prompt), add_special_tokens=False).input_ids
 
 
-def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int) -> None:
-    """Refuse, before any training, a task with a prompt (train or test, as encode_prompt encodes it) whose
-    tokens + max_new_tokens exceed context_len. The ValueError names the first such row and counts them all."""
-    too_long = []  # (where, prompt tokens)
+def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int, compact_at: int = 0) -> None:
+    """Refuse, before any training, a task with a prompt (train or test, as encode_prompt encodes it) that the chat
+    template rejects, or whose tokens + max_new_tokens exceed context_len (the ValueError names the first such row
+    and counts them all), and a `compact_at` (--compact-at) below the longest prompt + 2 x max_new_tokens: a row
+    after a compaction starts with the prompt and the summary (up to max_new_tokens) and must fit a turn before the
+    next, else every turn compacts. (With --env the prompts measured are the rows reset() is given.)"""
+    lengths = []  # (prompt tokens, where) of every row
     for split, ds in (("train", task.train), ("test", task.test)):
         if not len(ds):
             continue
-        lengths = map(len, tok([_chat_text(tok, p) for p in ds["prompt"]], add_special_tokens=False).input_ids)
-        wheres = ds["where"] if "where" in ds.column_names else (f"{task.name}: {split} row {i}" for i in range(len(ds)))
-        too_long += [(w, n) for w, n in zip(wheres, lengths) if n + max_new_tokens > context_len]
+        wheres = ds["where"] if "where" in ds.column_names else [f"{task.name}: {split} row {i}" for i in range(len(ds))]
+        texts = []
+        for where, p in zip(wheres, ds["prompt"]):
+            try:
+                texts.append(_chat_text(tok, p))
+            except Exception as e:  # jinja2's TemplateError (a template's raise_exception), or its own bugs
+                roles = "user" if isinstance(p, str) else ", ".join(m["role"] for m in p)
+                raise ValueError(f"check_lengths: {where}: the chat template of {tok.name_or_path} fails on this prompt "
+                                 f"(roles: {roles}): {type(e).__name__}: {e}") from e
+        lengths += zip(map(len, tok(texts, add_special_tokens=False).input_ids), wheres)
+    too_long = [(n, w) for n, w in lengths if n + max_new_tokens > context_len]
     if too_long:
-        where, n = too_long[0]
-        n_rows = len(task.train) + len(task.test)
+        n, where = too_long[0]
         raise ValueError(f"check_lengths: {where}: the prompt is {n} tokens (chat-formatted) + max_new_tokens "
                          f"{max_new_tokens} = {n + max_new_tokens}, over the context length {context_len}; shorten "
-                         f"the prompt or lower --max-new-tokens, or drop the row. {len(too_long)} of {n_rows} rows "
-                         f"are too long, the longest prompt is {max(n for _, n in too_long)} tokens")
+                         f"the prompt or lower --max-new-tokens, or drop the row. {len(too_long)} of {len(lengths)} rows "
+                         f"are too long, the longest prompt is {max(n for n, _ in too_long)} tokens")
+    longest, where = max(lengths, default=(0, ""), key=lambda x: x[0])
+    if compact_at and compact_at < longest + 2 * max_new_tokens:
+        raise ValueError(f"--compact-at {compact_at} is below the longest prompt ({where}: {longest} tokens) + a summary "
+                         f"and a turn (2 x --max-new-tokens {max_new_tokens}) = {longest + 2 * max_new_tokens}: every turn "
+                         "would end in a summary; raise --compact-at (or 0 = off)")
 
 
 def guess_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ranges: float = 0.15) -> Task:

@@ -329,3 +329,206 @@ def test_default_model_reaches_target(task):
     val = t.train[:256]  # warmup()'s validation slice
     completions = greedy_completions(model, tok, val["prompt"], max_new_tokens=t.max_new_tokens)
     assert sum(exact_match_reward(completions, val["answer"])) / 256 == stats["accuracy"]
+
+
+# --- hostile inputs: data files as common tools write them, bad chat prompts, damaged model folders (issue 21) ---
+
+CHAT_ROWS = [{"prompt": f"q{i}", "answer": str(i)} for i in range(4)]
+_lines = "".join(json.dumps(r) + "\n" for r in CHAT_ROWS)
+_csv = "prompt,answer\r\n" + "".join(f"{r['prompt']},{r['answer']}\r\n" for r in CHAT_ROWS)
+
+
+@pytest.mark.parametrize("name, data", [
+    ("bom.jsonl", "\ufeff" + _lines),  # Notepad, PowerShell
+    ("crlf.jsonl", _lines.replace("\n", "\r\n")),
+    ("trailing.jsonl", _lines + "\n\n"),
+    ("array.json", json.dumps(CHAT_ROWS)),
+    ("bom_array.json", "\ufeff" + json.dumps(CHAT_ROWS)),
+    ("lines.json", _lines),  # JSON lines under a .json name
+    ("excel.csv", "\ufeff" + _csv),  # Excel's "CSV UTF-8": a byte-order mark and CRLF
+    ("extra.parquet", [{**r, "n": i, "meta": {"k": i}} for i, r in enumerate(CHAT_ROWS)]),
+])
+def test_data_files_as_common_tools_write_them_load(tmp_path, name, data):
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pyarrow.parquet.write_table(pa.Table.from_pylist(data), path)
+    else:
+        path.write_text(data, encoding="utf-8", newline="")
+    task = get_task(str(path))
+    rows = task.train.to_list() + task.test.to_list()
+    assert sorted((r["prompt"], r["answer"]) for r in rows) == [(r["prompt"], r["answer"]) for r in CHAT_ROWS]
+
+
+def _msgs(*roles):
+    return [{"role": r, "content": f"{r} text"} for r in roles]
+
+
+@pytest.mark.parametrize("name, data, kw, message", [
+    ("role.jsonl", {"prompt": _msgs("user", "bot"), "answer": "1"}, {},
+     r"row 2 \(line 3\) field 'prompt' message 1 has role 'bot'; a message's role is one of system, user, assistant, tool"),
+    ("caps.jsonl", {"prompt": _msgs("User"), "answer": "1"}, {}, "message 0 has role 'User'"),
+    ("no_user.jsonl", {"prompt": _msgs("system", "assistant"), "answer": "1"}, {},
+     r"row 2 \(line 3\) field 'prompt' has no user message \(roles: system, assistant\)"),
+    ("answered.jsonl", {"prompt": _msgs("system", "user", "assistant"), "answer": "1"}, {},
+     r"row 2 \(line 3\) field 'prompt' ends on message 2 of role 'assistant'; the last message must be a user"),
+    ("number.jsonl", {"prompt": "q9", "answer": 9}, {}, r"field 'answer' has type int, expected a string: write 9 as \"9\""),
+    ("key.jsonl", {"prompt": "q9", "answer": "9"}, {"prompt_key": "question"},
+     r"row 0 \(line 1\) has no field 'question' \(--prompt-key; the row has \['answer', 'prompt'\]\)"),
+    ("comma.csv", "q9, with a comma,9\n", {}, r"row 2 \(line 4\) has 3 field\(s\) where the header has 2 \(prompt, answer\); quote"),
+    ("short.csv", "q9\n", {}, r"row 2 \(line 4\) has 1 field\(s\) where the header has 2"),
+    ("semicolon.csv", None, {}, r"its header is one column, 'prompt;answer': the file must be comma-separated, not ';'"),
+    ("columns.json", {"prompt": {"0": "q0", "1": "q1"}, "answer": {"0": "0", "1": "1"}}, {},  # pandas' to_json() default
+     r"holds one JSON object of columns \(prompt, answer\), as pandas' DataFrame.to_json\(\) .* orient='records'"),
+])
+def test_bad_rows_are_refused_naming_file_row_and_field(tmp_path, name, data, kw, message):
+    """Each file holds a bad row (after two good ones) or a bad shape; the ValueError names the file, the row and the
+    field or flag."""
+    path = tmp_path / name
+    if name == "semicolon.csv":
+        path.write_text("prompt;answer\nq0;0\nq1;1\n")
+    elif name.endswith(".csv"):
+        path.write_text("prompt,answer\nq0,0\nq1,1\n" + data)
+    elif name == "columns.json":
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in CHAT_ROWS[:2] + [data]))
+    with pytest.raises(ValueError, match=message) as err:
+        get_task(str(path), **kw)
+    assert str(path) in str(err.value)
+
+
+def test_tool_results_and_system_prompts_are_prompts(tmp_path):
+    path = tmp_path / "tool.jsonl"
+    rows = [{"prompt": _msgs("system", "user", "assistant", "tool"), "answer": "1"}, {"prompt": _msgs("user"), "answer": "2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(get_task(str(path)).train) == 1
+
+
+def test_a_chat_template_that_fails_is_named_with_the_row_and_folder(tmp_path, tiny_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                         "{% endif %}{{ m['content'] }}{% endfor %}")
+    path = tmp_path / "sys.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"prompt": _msgs("system", "user"), "answer": "9"}]))
+    with pytest.raises(ValueError, match=rf"sys.jsonl: row 3 \(line 4\): the chat template of {re.escape(tiny_dir)} fails on this "
+                                         r"prompt \(roles: system, user\): TemplateError: System role not supported"):
+        check_lengths(get_task(str(path)), tok, context_len=256, max_new_tokens=8)
+
+
+def test_compact_at_below_the_longest_prompt_and_a_turn_is_refused(tiny_dir):
+    from config import Config, check_model
+
+    task = get_task("guess")  # the longest prompt is 30 tokens chat-formatted, a turn at most 8
+    with pytest.raises(ValueError, match=r"--compact-at 45 is below the longest prompt \(guess: \w+ row \d+: 30 tokens\) \+ a "
+                                         r"summary and a turn \(2 x --max-new-tokens 8\) = 46"):
+        check_model(Config(task="guess", compact_at=45), tiny_dir, task)
+    check_lengths(task, transformers.AutoTokenizer.from_pretrained(tiny_dir), 256, 8, compact_at=46)
+
+
+def _damaged_copy(src, dst, *, drop=(), add=None, reshape=None, config=None, remove=(), write=None) -> str:
+    """A copy of model folder src with tensors dropped, added or reshaped, config.json changed, files removed or
+    overwritten (write: {file: text})."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = os.path.join(dst, "model.safetensors")
+    sd = {k: v for k, v in load_file(weights).items() if k not in drop}
+    sd.update(add or {})
+    for k, shape in (reshape or {}).items():
+        sd[k] = torch.zeros(shape)
+    save_file(sd, weights, metadata={"format": "pt"})
+    if config is not None:
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            f.write(config)
+    for f in remove:
+        os.remove(os.path.join(dst, f))
+    for f, text in (write or {}).items():
+        with open(os.path.join(dst, f), "w") as fh:
+            fh.write(text)
+    return str(dst)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (dict(config='{"model_type": "llama", "hidden'), r"its config.json cannot be read as a model config \(OSError"),
+    (dict(config="{}"), r"its config.json cannot be read as a model config \(ValueError: Unrecognized model"),
+    (dict(write={"tokenizer.json": "{"}), r"its tokenizer cannot be loaded \(JSONDecodeError"),
+    (dict(remove=["model.safetensors"]), r"has no weights \(no \*.safetensors or \*.bin file\)"),
+    (dict(write={"model.safetensors.index.json": json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})}),
+     r".*model.safetensors.index.json names 1 shard\(s\) the folder lacks: model-00002-of-00002.safetensors"),
+])
+def test_damaged_model_folders_are_refused_before_any_model_loads(tmp_path, tiny_dir, damage, message):
+    from config import Config, check_model
+
+    path = _damaged_copy(tiny_dir, tmp_path / "m", **damage)
+    with pytest.raises(ValueError, match=rf"--model {re.escape(path)}: {message}|--model {re.escape(path)} {message}"):
+        check_model(Config(model=path), path, addition_task(n_train=10, n_test=2))
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, tiny_dir):
+    """Llama 3 and other base models ship no pad token; the trainer pads (masked out) with EOS instead of failing
+    on the first batch."""
+    from config import Config, check_model
+
+    config = json.load(open(os.path.join(tiny_dir, "tokenizer_config.json")))
+    del config["pad_token"]
+    path = _damaged_copy(tiny_dir, tmp_path / "m", write={"tokenizer_config.json": json.dumps(config)})
+    assert transformers.AutoTokenizer.from_pretrained(path).pad_token_id is None
+    assert check_model(Config(model=path), path, addition_task(n_train=10, n_test=2)).pad_token_id == EOS_ID
+
+
+@pytest.mark.parametrize("damage, message", [
+    (dict(drop=["model.layers.1.mlp.down_proj.weight"]), "lacks 1 tensor(s) that {} needs: model.layers.1.mlp.down_proj.weight"),
+    (dict(add={"model.layers.9.mlp.up_proj.weight": torch.zeros(2)}), "has 1 tensor(s) that {} does not use: model.layers.9.mlp.up_proj.weight"),
+    (dict(reshape={"model.norm.weight": (7,)}), "has 1 tensor(s) of another shape than the model's: model.norm.weight ((7,) in the files, (128,) in the model)"),
+])
+def test_weights_that_do_not_fill_the_architecture_are_refused_by_name(tmp_path, tiny_dir, damage, message):
+    """Every place that loads a model folder: the policy and reference (load_policy), the critic's backbone
+    (build_critic) and the embedded engine; transformers alone would fill a missing tensor with random values."""
+    from rollout import EmbeddedEngine
+    from value_model import build_critic, load_critic, load_policy
+
+    path = _damaged_copy(tiny_dir, tmp_path / "m", **damage)
+    for load, cls in ((load_policy, "LlamaForCausalLM"), (build_critic, "LlamaForTokenClassification"), (EmbeddedEngine, "LlamaForCausalLM")):
+        with pytest.raises(ValueError, match=re.escape(f"the weights in {path} (model.safetensors) do not match its config.json: "
+                                                       f"the folder {message.format(cls)}")):
+            load(path)
+    critic = build_critic(tiny_dir)  # the policy's files have no value head: that one is new
+    critic.save_pretrained(tmp_path / "critic")
+    _damaged_copy(tmp_path / "critic", tmp_path / "critic_broken", drop=["score.weight"])
+    with pytest.raises(ValueError, match=r"the critic checkpoint: .* lacks 1 tensor\(s\) that LlamaForTokenClassification needs: score.weight"):
+        load_critic(str(tmp_path / "critic_broken"))
+    load_critic(str(tmp_path / "critic"))
+
+
+SYSTEM_REFUSED = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case, message", [
+    ("missing_tensor", r"--model: the weights in .*/m \(model.safetensors\) do not match its config.json: the folder lacks 1 "
+                       r"tensor\(s\) that LlamaForCausalLM needs: model.layers.2.self_attn.o_proj.weight"),
+    ("truncated_config", r"--model .*/m: its config.json cannot be read as a model config"),
+    ("answered_prompt", r"d.jsonl: row 2 \(line 3\) field 'prompt' ends on message 1 of role 'assistant'"),
+    ("template_fails", r"d.jsonl: row \d \(line \d\): the chat template of .*/m fails on this prompt \(roles: system, user\)"),
+    ("compact_at", r"--compact-at 40 is below the longest prompt \(guess: \w+ row \d+: 30 tokens\)"),
+])
+def test_hostile_inputs_stop_the_run_before_training(tmp_path, tiny_dir, case, message):
+    """main() on each: the error names the file, row, tensor or flag, and nothing is written to the run folder."""
+    from conftest import small
+    from train_ppo import main
+
+    damage = {"missing_tensor": dict(drop=["model.layers.2.self_attn.o_proj.weight"]), "truncated_config": dict(config='{"model_'),
+              "template_fails": dict(write={"chat_template.jinja": SYSTEM_REFUSED})}.get(case, {})
+    model = _damaged_copy(tiny_dir, tmp_path / "m", **damage)
+    last = _msgs("system", "user") if case == "template_fails" else _msgs("user", "assistant")
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(2)] + [{"prompt": last, "answer": "9"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kw = dict(task=str(tmp_path / "d.jsonl")) if case in ("answered_prompt", "template_fails") else {}
+    if case == "compact_at":
+        kw = dict(task="guess", compact_at=40)
+    with pytest.raises(ValueError, match=message):
+        main(small(tmp_path / "run", model=model, **kw))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -44,6 +44,7 @@ def test_the_base_of_the_table_is_accepted(tmp_path):
     (dict(icepop_low=1.5), 1, "IcePop band"),
     # model, engine, reward
     (dict(model="/no/such/model"), 1, "not a Hugging Face model folder"),
+    (dict(out_dir=""), 1, "--out-dir must not be empty"),
     (dict(engine_dtype="fp8", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
     (dict(engine_dtype="int4", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
     (dict(reward="nonsense"), 1, "(?s)invalid configuration:.*--reward 'nonsense'"),
