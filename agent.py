@@ -17,8 +17,13 @@ rendered with and without the new user message, the suffix kept (`observation_id
 with `Rollout.mask` True on model tokens (trained, with the engine's log-probs) and `Rollout.attend` True on model and
 observation tokens (the trainer attends to observations and never trains on them). Each turn's reward sits on its
 last model token. An episode ends when the environment says done ("done"), after --max-turns turns ("turns"), when a
-turn hits --max-new-tokens without its stop token ("turn_length"), or when the next turn would not fit in the context
-("context").
+turn hits --max-new-tokens without its stop token ("turn_length"), or when the next turn, or an observation, would not
+fit in the context ("context"; an observation too long for the context left is not appended, nor encoded when its
+length in characters already rules it out, and a warning names the environment, episode and turn).
+
+The environment's code (its constructor, reset and step) runs through data.rewards.call_user: in a worker thread,
+each call limited to --user-timeout seconds; reset gets a copy of its row. A hang, an exception or a sys.exit stops
+the run with an error naming the class, the method, the episode (its row's "where" column, or its prompt) and the turn.
 
 Context compaction (GLM-5.2): once a row's context would pass `compact_at` tokens, the next user message is the
 observation plus the environment's `summary_request` (default SUMMARY_REQUEST); the model's answer (the summary) is
@@ -30,13 +35,17 @@ gamma = 1 every token's return-to-go is the episode's (not divided by the number
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from data.rewards import import_target
+from data.rewards import DEFAULT_USER_TIMEOUT, call_user, failure, import_target
 from rollout import Rollout, Sampling
 
 ENV_FORMS = "'path/to/file.py:Class' or 'package.module:Class'"
@@ -46,11 +55,13 @@ DEFAULT_MAX_TURNS = 8  # --max-turns 0 with --env
 FINISH_REASONS = ("done", "turns", "turn_length", "context")  # of an episode; a compacted row's is "compact"
 _CALLS_PER_EPISODE = 1024  # seed stride: engine calls (turns + summaries) one episode may make
 _SLOT = "\x00slot\x00"  # a placeholder content for chat-template renders
+_WARNED: set[str] = set()  # environments already warned about an observation too long for the context
 
 
 def load_env(spec: str):
     """The environment class a --env value names ('path/to/file.py:Class' or 'package.module:Class'). Every
-    problem is a ValueError naming --env, before any work."""
+    problem, including a constructor that needs arguments or a reset or step that cannot take one, is a ValueError
+    naming --env, before any work."""
     module, where, name = import_target(spec, "--env", "an environment", ENV_FORMS)
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
@@ -59,6 +70,16 @@ def load_env(spec: str):
     if missing:
         raise ValueError(f"--env {spec!r}: {name} has no {' and no '.join(missing)} method (an environment needs reset(row) "
                          "-> str and step(text) -> (observation or None, reward, done))")
+    for method, call, args in (("__init__", cls, ()), ("reset", cls.reset, (None, {})), ("step", cls.step, (None, ""))):
+        if method != "__init__" and isinstance(inspect.getattr_static(cls, method), (staticmethod, classmethod)):
+            args = args[1:]  # no instance to pass
+        try:
+            inspect.signature(call).bind(*args)
+        except TypeError as e:
+            takes = "no arguments (one instance per episode)" if method == "__init__" else f"one argument ({method}({'row' if method == 'reset' else 'text'}))"
+            raise ValueError(f"--env {spec!r}: {name}.{method} must take {takes}: {e}") from None
+        except ValueError:  # a builtin without a signature: nothing to check
+            pass
     return cls
 
 
@@ -125,6 +146,7 @@ class _Episode:
     k: int
     env: object
     first: str
+    where: str  # the episode and its row, for errors
     rows: list[_Row]
     messages: list[dict]
     turns: int = 0
@@ -157,46 +179,71 @@ class Episodes:
     and the summary."""
 
 
-def _check_step(out, env, turn: int, text: str):
-    name = type(env).__name__
+def _check_step(out, env, turn: str, text: str):
+    name, short = type(env).__name__, lambda x: repr(x)[:200]  # noqa: E731
     if not (isinstance(out, tuple) and len(out) == 3):
-        raise RuntimeError(f"environment {name}.step returned {out!r} on turn {turn} (model text {text!r}); it must return "
+        raise RuntimeError(f"environment {name}.step returned {short(out)} on {turn} (model text {text!r}); it must return "
                            "(observation: str or None, reward: float, done: bool)")
     obs, reward, done = out
     if not isinstance(done, bool):
-        raise RuntimeError(f"environment {name}.step returned done={done!r} on turn {turn}; done must be a bool")
+        raise RuntimeError(f"environment {name}.step returned done={short(done)} on {turn}; done must be a bool")
     if not (isinstance(reward, numbers.Real) and not isinstance(reward, bool) and math.isfinite(reward)):
-        raise RuntimeError(f"environment {name}.step returned reward {reward!r} on turn {turn} (model text {text!r}); "
+        raise RuntimeError(f"environment {name}.step returned reward {short(reward)} on {turn} (model text {text!r}); "
                            "rewards must be finite numbers")
     if not (isinstance(obs, str) or (obs is None and done)):
-        raise RuntimeError(f"environment {name}.step returned observation {obs!r} with done={done} on turn {turn}; an "
+        raise RuntimeError(f"environment {name}.step returned observation {short(obs)} with done={done} on {turn}; an "
                            "observation must be a str (None only when done)")
     return obs, float(reward), done
 
 
+@functools.cache
+def _longest_token(tok) -> int:
+    """Characters of the tokenizer's longest token (special tokens included): an observation of c characters is at least
+    c / this many tokens, a bound that rules out a huge observation without encoding it."""
+    return max(map(len, tok.get_vocab()))
+
+
 def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, max_turns: int, context_len: int,
-                 compact_at: int = 0) -> Episodes:
+                 compact_at: int = 0, timeout: float = DEFAULT_USER_TIMEOUT) -> Episodes:
     """Play sampling.n episodes per task row with `engine` (any rollout.Engine: one generate call per turn over the live
     episodes). Episode e (row e // n, sample e % n) makes its c-th engine call with seed
     (sampling.seed + e) * 1024 + c, so an episode's draws do not depend on the other episodes in the call, and a batch
     split over calls (data-parallel ranks) whose seeds are offset by their first episode gives the same episodes.
-    Every turn gets sampling.max_new_tokens; a turn that would pass context_len is not started ("context")."""
+    Every turn gets sampling.max_new_tokens; a turn that would pass context_len is not started ("context"). The
+    environment's constructor, reset and step each run under `timeout` seconds (data.rewards.call_user; 0 = no limit)."""
     if not 1 <= max_turns < _CALLS_PER_EPISODE // 2:  # turns and summaries must stay within the seed stride
         raise ValueError(f"run_episodes: max_turns must be in [1, {_CALLS_PER_EPISODE // 2}), got {max_turns}")
-    N = sampling.max_new_tokens
+    N, name = sampling.max_new_tokens, f"environment {getattr(env_cls, '__name__', repr(env_cls))}"
+
+    def user(method, fn, arg, where):  # one call of the environment's code, its failures named
+        try:
+            return call_user(fn, *arg, timeout=timeout, what=f"{name}{method}")
+        except Exception as e:
+            raise RuntimeError(failure(f"{name}{method}", e, where)) from e
+
+    def render(f, *args, where):  # the chat template on an environment's message
+        try:
+            return f(tok, *args)
+        except Exception as e:
+            raise RuntimeError(f"the chat template failed on the message of {name} on {where}: {e!r}") from e
+
     eps = []
     for i, row in enumerate(rows):
-        for _ in range(sampling.n):
-            env = env_cls()
-            first = env.reset(row)
+        for j in range(sampling.n):
+            origin = row.get("where") or f"prompt {str(row.get('prompt'))[:60]!r}"
+            where = f"episode {len(eps)} (row {i}: {origin}; sample {j})"
+            env = user("()", env_cls, (), where)
+            first = user(".reset", env.reset, (copy.deepcopy(row),), where)
             if not isinstance(first, str) or not first:
-                raise RuntimeError(f"environment {env_cls.__name__}.reset returned {first!r} for row {i}; it must return the "
-                                   "first user message (a non-empty str)")
-            prompt = first_prompt_ids(tok, first)
-            if len(prompt) + N > context_len:
-                raise ValueError(f"run_episodes: row {i}'s first message is {len(prompt)} tokens; with --max-new-tokens {N} "
-                                 f"it does not fit in the context ({context_len})")
-            eps.append(_Episode(len(eps), env, first, [_Row(prompt)], [{"role": "user", "content": first}]))
+                raise RuntimeError(f"{name}.reset returned {first!r} on {where}; it must return the first user message "
+                                   "(a non-empty str)")
+            room = context_len - N
+            prompt = [] if len(first) > room * _longest_token(tok) else render(first_prompt_ids, first, where=where)
+            if not prompt or len(prompt) > room:
+                raise ValueError(f"run_episodes: the first message of {name}.reset on {where} is "
+                                 f"{f'{len(prompt)} tokens' if prompt else f'{len(first)} characters'}; with --max-new-tokens "
+                                 f"{N} it does not fit in the context ({context_len})")
+            eps.append(_Episode(len(eps), env, first, where, [_Row(prompt)], [{"role": "user", "content": first}]))
     request = lambda e: getattr(e.env, "summary_request", SUMMARY_REQUEST)  # noqa: E731
     while True:
         live = []
@@ -223,7 +270,8 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
                 row.finish, e.summarising = "compact", False
                 e.rows.append(_Row(summary_prompt(tok, e.first, ids[:-1])))
                 continue
-            obs, reward, done = _check_step(e.env.step(text), e.env, e.turns + 1, text)
+            turn = f"turn {e.turns + 1} of {e.where}"
+            obs, reward, done = _check_step(user(".step", e.env.step, (text,), f"{turn} (model text {text!r})"), e.env, turn, text)
             row.rewards[-1] += reward
             row.turns += 1
             e.turns += 1
@@ -231,10 +279,19 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             if done or e.turns == max_turns:
                 e.finish = "done" if done else "turns"
                 continue
-            obs_ids = observation_ids(tok, obs)
-            if compact_at and len(row.prompt) + len(row.tokens) + len(obs_ids) > compact_at:
+            used = len(row.prompt) + len(row.tokens)
+            obs_ids = None if len(obs) > (context_len - used) * _longest_token(tok) else render(observation_ids, obs, where=turn)
+            if obs_ids is not None and compact_at and used + len(obs_ids) > compact_at:
                 obs = f"{obs}\n\n{request(e)}"
-                obs_ids, e.summarising = observation_ids(tok, obs), True
+                obs_ids, e.summarising = render(observation_ids, obs, where=turn), True
+            if obs_ids is None or used + len(obs_ids) > context_len:  # appended, it would make a row longer than the context
+                if name not in _WARNED:  # once per environment: the rest show in rollout/finish_context_frac
+                    _WARNED.add(name)
+                    warnings.warn(f"{name}.step returned a {len(obs):,}-character observation on {turn}, longer than the "
+                                  f"{context_len - used} tokens of context left: the episode ends ('context'), as do later "
+                                  "ones (rollout/finish_context_frac)")
+                e.finish, e.summarising = "context", False
+                continue
             e.messages.append({"role": "user", "content": obs})
             row.add(obs_ids, model=False)
 

@@ -56,6 +56,9 @@ class Config:
     reward: str = ""
     """Reward: '' = the task's default (exact match), 'exact', 'math' (final answer checked by math-verify),
     'path/to/file.py:function' or 'package.module:function' (docs/byo.md)."""
+    user_timeout: float = 120.0
+    """Seconds a call of your code may take: the reward function over a batch, an environment's reset or step (each
+    runs in a worker thread; a hang stops the run naming the function and the sample or turn); 0 = no limit."""
     out_dir: str = "outputs/run"
     """Run folder: config.json, metrics.jsonl, plots/, checkpoints/. An existing run there is resumed."""
     steps: int = 100
@@ -216,7 +219,8 @@ def resolve(cfg: Config, world_size: int) -> dict:
               "max-grad-norm": (cfg.max_grad_norm, cfg.max_grad_norm > 0, "> 0 (0 would zero every update)"), "gamma": (cfg.gamma, 0 < cfg.gamma <= 1, "in (0, 1]"), "lam-policy": (cfg.lam_policy, 0 <= cfg.lam_policy <= 1, "in [0, 1]"),
               "lam-critic": (cfg.lam_critic, 0 <= cfg.lam_critic <= 1, "in [0, 1]"), "adaptive-lambda": (cfg.adaptive_lambda, cfg.adaptive_lambda >= 0, ">= 0"),
               "kl-coef": (cfg.kl_coef, cfg.kl_coef >= 0, ">= 0"), "tis-cap": (cfg.tis_cap, cfg.tis_cap > 0, "> 0"),
-              "value-clip": (cfg.value_clip, cfg.value_clip >= 0, ">= 0 (0 = off)"), "value-scale": (cfg.value_scale, cfg.value_scale > 0, "> 0")}
+              "value-clip": (cfg.value_clip, cfg.value_clip >= 0, ">= 0 (0 = off)"), "value-scale": (cfg.value_scale, cfg.value_scale > 0, "> 0"),
+              "user-timeout": (cfg.user_timeout, cfg.user_timeout >= 0, ">= 0 (seconds; 0 = no limit)")}
     errors += [f"--{flag} must be a finite number {want}, got {v}" for flag, (v, ok, want) in ranges.items() if not (ok and math.isfinite(v))]
     if cfg.n_samples < 0 or cfg.max_new_tokens < 0:
         errors.append(f"--n-samples and --max-new-tokens must be >= 0 (0 = the default), got {cfg.n_samples} and {cfg.max_new_tokens}")

@@ -268,7 +268,7 @@ def load_task(run: Run):
     default model is built (rank 0) on first use."""
     cfg = run.cfg
     task = get_task(cfg.task, split=cfg.split, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                    reward_fn=load_reward(cfg.reward), eval_task=cfg.eval_task, eval_split=cfg.eval_split)
+                    reward_fn=load_reward(cfg.reward), eval_task=cfg.eval_task, eval_split=cfg.eval_split, user_timeout=cfg.user_timeout)
     if cfg.env:
         task.env, task.max_turns = load_env(cfg.env), DEFAULT_MAX_TURNS
     model_path = cfg.model
@@ -331,7 +331,7 @@ def build_engines(run: Run, models: Models, task, tok) -> Engines:
     if task.env is None:
         return Engines(engine, eval_engine, sampling, None, sampling.max_new_tokens, sampling.max_new_tokens)
     turns, context = cfg.max_turns or task.max_turns, models.policy.config.max_position_embeddings
-    play = lambda eng, rows, s: run_episodes(eng, tok, task.env, rows, s, max_turns=turns, context_len=context, compact_at=cfg.compact_at)  # noqa: E731
+    play = lambda eng, rows, s: run_episodes(eng, tok, task.env, rows, s, max_turns=turns, context_len=context, compact_at=cfg.compact_at, timeout=task.user_timeout)  # noqa: E731
     return Engines(engine, eval_engine, sampling, play, (turns + 1) * sampling.max_new_tokens, context)
 
 

@@ -14,18 +14,26 @@ aligned with `completions` (the internal `where` column is not passed). One item
                hashable) is the sample's final answer, used for majority voting (maj@k)
 
 `load_reward(spec)` resolves a --reward value: "" or "exact" (the default exact match), "math",
-"path/to/file.py:function" or "package.module:function". `score` runs a task's reward on completions and checks
-what it returns.
+"path/to/file.py:function" or "package.module:function"; `check_reward` checks, before any model loads, that it can
+take the columns of the data. `score` runs a task's reward on copies of the completions and columns and checks what
+it returns. `call_user` is how user code (a reward, an environment's methods) runs: in a worker thread, with a time
+limit (--user-timeout), and a sys.exit inside it is an error.
 """
 
+import copy
 import functools
 import importlib
 import importlib.util
+import inspect
+import itertools
 import math
 import numbers
 import os
+import queue
 import re
 import sys
+import threading
+import time
 from collections import Counter
 from typing import Callable, Hashable, NamedTuple
 
@@ -71,16 +79,38 @@ def _math_verify():
     return math_verify
 
 
+def _verify(mv, answer: str, pred: str) -> tuple[bool, bool]:
+    """(equal, timed out): mv.verify(mv.parse(answer), mv.parse(pred)) step by step, so that a step past math-verify's
+    own 5 s limit is counted instead of silently scoring 0. raise_on_error=True makes a timeout raise math-verify's
+    TimeoutException (a BaseException); any other error counts as unequal (a parse as nothing parsed), as math-verify's
+    default does, and each (gold, target) pair is compared on its own, as verify does."""
+    late = False
+
+    def attempt(f, *args, failed):
+        nonlocal late
+        try:
+            return f(*args, raise_on_error=True)
+        except Exception:
+            return failed
+        except mv.errors.TimeoutException:
+            late = True
+            return failed
+
+    gold, target = attempt(mv.parse, f"${answer}$", failed=[]), attempt(mv.parse, f"${pred}$", failed=[])
+    return any(attempt(mv.verify, g, t, failed=False) for g, t in itertools.product(gold, target)), late
+
+
 def math_reward(completions: list[str], *, answer: list[str], **columns) -> list[dict]:
     """1.0 where the completion's final answer (extract_answer) is mathematically equal to the answer column,
     checked by math-verify (1/2 = 0.5 = \\frac{1}{2}, 3 = 3.0), else 0.0; "pred" is the extracted answer string
-    (None when there is none), so equal strings vote together in maj@k."""
+    (None when there is none), so equal strings vote together in maj@k; "math_timeout" is 1.0 where a parse or
+    comparison ran past math-verify's 5 s limit (scored 0), logged as reward/math_timeout (the fraction of samples)."""
     mv = _math_verify()
     out = []
     for c, a in zip(completions, answer, strict=True):
         pred = extract_answer(c)
-        ok = pred is not None and mv.verify(mv.parse(f"${a}$"), mv.parse(f"${pred}$"))
-        out.append({"score": float(ok), "pred": pred})
+        ok, late = _verify(mv, a, pred) if pred is not None else (False, False)
+        out.append({"score": float(ok), "pred": pred, "math_timeout": float(late)})
     return out
 
 
@@ -137,6 +167,117 @@ def load_reward(spec: str) -> Callable:
     return fn
 
 
+# ----------------------------------------------------------------------------- running user code
+
+DEFAULT_USER_TIMEOUT = 120.0  # seconds (--user-timeout): far above any sound reward batch or environment step
+
+
+class UserCodeError(RuntimeError):
+    """User code exited (sys.exit, or another BaseException that is not an Exception) or ran past its time limit; `why`
+    says which, as a verb phrase ("called sys.exit(0)", "did not return within 2 s (--user-timeout)")."""
+
+    def __init__(self, what: str, why: str):
+        super().__init__(f"{what} {why}")
+        self.why = why
+
+
+class UserTimeout(UserCodeError):
+    """User code ran past --user-timeout; its thread is left running (a thread cannot be stopped), and ends with the process."""
+
+
+class _Worker:
+    """One daemon thread that runs user code. The same thread for every call, so what a reward or an environment ties
+    to its thread (an sqlite3 connection, a thread-local) keeps working from call to call; a daemon thread, so a hung
+    call does not keep the process from exiting (concurrent.futures joins its workers at exit: a hang would hang it)."""
+
+    def __init__(self):
+        self.pid, self.jobs = os.getpid(), queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="user-code", daemon=True).start()
+
+    def _loop(self):
+        while True:
+            fn, args, kw, box, done = self.jobs.get()
+            try:
+                box.append((True, fn(*args, **kw)))
+            except BaseException as e:  # a thread ends silently on SystemExit: it must reach the caller
+                box.append((False, e))
+            del fn, args, kw  # the call's arguments are not kept alive until the next job
+            done.set()
+
+
+_worker: _Worker | None = None
+
+
+def call_user(fn: Callable, *args, timeout: float, what: str, **kw):
+    """fn(*args, **kw), user code named `what` in errors ("reward function my_reward", "environment MyEnv.step"), run
+    in the worker thread and waited for at most `timeout` seconds; timeout 0 = no limit, called in this thread (where
+    code that sets signals, such as math-verify's own timeouts, works). An Exception fn raises passes through unchanged
+    (the caller names the sample or turn); KeyboardInterrupt too. Any other BaseException (SystemExit from sys.exit)
+    is a UserCodeError, and a call past the limit a UserTimeout: the run ends with an error, never with exit 0."""
+    global _worker
+    if timeout:
+        if _worker is None or _worker.pid != os.getpid():  # a forked child has the object but not the thread
+            _worker = _Worker()
+        box, done = [], threading.Event()
+        _worker.jobs.put((fn, args, kw, box, done))
+        if not done.wait(timeout):
+            _worker = None  # the thread stays in the hung call; the next call gets a new one
+            raise UserTimeout(what, f"did not return within {timeout:g} s (--user-timeout)")
+        ok, out = box[0]
+    else:
+        try:
+            ok, out = True, fn(*args, **kw)
+        except BaseException as e:
+            ok, out = False, e
+    if ok:
+        return out
+    if isinstance(out, (Exception, KeyboardInterrupt)):
+        raise out
+    why = f"called sys.exit({out.code!r})" if isinstance(out, SystemExit) else f"raised {out!r}"
+    raise UserCodeError(what, why + " (user code must return or raise an Exception: the run stops here)") from out
+
+
+def failure(what: str, e: BaseException, where: str) -> str:
+    """The error message for user code `what` that failed with `e` on `where` (a sample, an episode's turn)."""
+    if isinstance(e, UserCodeError):
+        return f"{what} {e.why} on {where}"
+    hint = ""
+    if "main thread" in str(e):  # math-verify's timeouts (signal.alarm) inside a user reward, for one
+        hint = (" (user code runs in a worker thread under --user-timeout, where signals cannot be set: turn off the "
+                "library's own timeout, e.g. math-verify's parsing_timeout=None and timeout_seconds=None, since "
+                "--user-timeout bounds the call, or pass --user-timeout 0 to run it in the main thread with no limit)")
+    return f"{what} raised on {where}: {e!r}{hint}"
+
+
+def check_reward(fn: Callable, columns: list[str]) -> None:
+    """Refuse, before any model loads, a reward function that cannot be called as `score` calls it on data with these
+    columns: fn(completions, prompts=, answer=, every other column by name). A ValueError naming --reward, the
+    function and what it cannot take."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    names = ["prompts", "answer", *(c for c in columns if c not in ("prompt", "answer", "where"))]
+    try:
+        sig.bind([], **dict.fromkeys(names))
+        return
+    except TypeError as e:
+        error = str(e)
+    ps = sig.parameters
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in ps.values())
+    takes = lambda n: n in ps and ps[n].kind in (ps[n].POSITIONAL_OR_KEYWORD, ps[n].KEYWORD_ONLY)  # noqa: E731
+    if not ps or next(iter(ps.values())).kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD):
+        error = "it takes no positional argument (the completions)"
+    elif not var_kw and (no := [n for n in names if not takes(n)]):
+        error = f"it has no parameter {no[0]!r} and no **kwargs"
+    elif need := [n for n, p in list(ps.items())[1:] if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                  and n not in names]:
+        error = f"it needs {need[0]!r}, which is no column of the data"
+    name = getattr(fn, "__qualname__", repr(fn))
+    raise ValueError(f"--reward: the reward function {name} cannot take what score passes it, {name}(completions, "
+                     f"{', '.join(n + '=' for n in names)}): {error}. Give it these parameters or **columns (docs/byo.md)")
+
+
 # ----------------------------------------------------------------------------- scoring completions
 
 
@@ -161,25 +302,41 @@ def reward_columns(ds, n: int = 1) -> dict[str, list]:
 
 
 def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
-    """Run the task's reward function (task: a data.tasks.Task) on completions and the dataset columns aligned with them ("prompt" and
-    "answer" among them; reward_columns): fn(completions, prompts=, answer=, **other columns). Refuses anything
-    but one finite number, None or dict with "score" per completion, naming the function and the sample."""
+    """Run the task's reward function (task: a data.tasks.Task) on copies of the completions and of the dataset columns
+    aligned with them ("prompt" and "answer" among them; reward_columns): fn(completions, prompts=, answer=, **other
+    columns), so a reward that edits them changes neither training nor the samples file. One call over the batch,
+    with task.user_timeout (call_user; the built-in rewards run in this thread: they cannot hang). When it fails, the
+    samples are tried one by one within one more timeout to name the first that fails alone. Refuses anything but one
+    finite number, None or dict with "score" per completion, naming the function and the sample."""
     fn = getattr(task.reward_fn, "__name__", repr(task.reward_fn))
-    args = lambda rows: {"prompts": [columns["prompt"][i] for i in rows], "answer": [columns["answer"][i] for i in rows],  # noqa: E731
-                         **{k: [v[i] for i in rows] for k, v in columns.items() if k not in ("prompt", "answer")}}
     for k, v in columns.items():
         if len(v) != len(completions):
             raise ValueError(f"score: column {k!r} has {len(v)} values for {len(completions)} completions")
+    limit = 0 if task.reward_fn in (exact, math_reward) else task.user_timeout
+
+    def call(rows, timeout):
+        kw = copy.deepcopy({"prompts": [columns["prompt"][i] for i in rows], "answer": [columns["answer"][i] for i in rows],
+                            **{k: [v[i] for i in rows] for k, v in columns.items() if k not in ("prompt", "answer")}})
+        return call_user(task.reward_fn, [completions[i] for i in rows], **kw, timeout=timeout, what=f"reward function {fn}")
+
     try:
-        rewards = task.reward_fn(completions, **args(range(len(completions))))
+        rewards = call(range(len(completions)), limit)
     except Exception as e:
+        deadline = time.monotonic() + (limit or math.inf)
         for i, c in enumerate(completions):  # find the sample that breaks it
+            sample = f"sample {i} (completion {c!r}, answer {columns['answer'][i]!r})"
+            if (left := deadline - time.monotonic()) <= 0:
+                raise RuntimeError(failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples") + f"; alone, "
+                                   f"samples 0-{i - 1} returned within one more {limit:g} s, {sample} had not started") from e
             try:
-                task.reward_fn([c], **args([i]))
-            except Exception:
-                raise RuntimeError(f"reward function {fn} raised on sample {i} (completion {c!r}, answer "
-                                   f"{columns['answer'][i]!r}): {e!r}") from e
-        raise RuntimeError(f"reward function {fn} raised on the batch: {e!r}") from e
+                call([i], left if limit else 0)
+            except UserTimeout as e1:
+                raise RuntimeError(failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples") + f"; alone, "
+                                   f"{sample} was still running when one more {limit:g} s ran out") from e1
+            except Exception as e1:
+                raise RuntimeError(failure(f"reward function {fn}", e1, sample)) from e1
+        raise RuntimeError(failure(f"reward function {fn}", e, "the batch") + f" (each of its {len(completions)} samples "
+                           "alone passed)") from e
     n = len(rewards) if hasattr(rewards, "__len__") else None
     if n != len(completions):
         raise RuntimeError(f"reward function {fn} returned {type(rewards).__name__} of length {n} for {len(completions)} "

@@ -27,7 +27,7 @@ import datasets
 import pyarrow.parquet
 
 from data.guess import MAX_TURNS, GuessEnv, guess_rows
-from data.rewards import exact
+from data.rewards import DEFAULT_USER_TIMEOUT, check_reward, exact
 
 
 @dataclass
@@ -46,6 +46,8 @@ class Task:
     """Multi-turn tasks: the environment class (agent.py); its step() gives the rewards, reward_fn is unused."""
     max_turns: int = 1
     """Multi-turn tasks: the default turn budget (--max-turns)."""
+    user_timeout: float = DEFAULT_USER_TIMEOUT
+    """Seconds per call of the reward function (over a batch) or of the environment's reset or step; 0 = no limit."""
 
 
 def _dataset(rows: list[tuple[str, ...]], columns: tuple[str, ...] = ("prompt", "answer")) -> datasets.Dataset:
@@ -450,9 +452,11 @@ TASKS = {"addition": addition_task, "sort": sort_task, "guess": guess_task}
 
 
 def get_task(name: str, *, split: str = "train", prompt_key: str = "prompt", answer_key: str = "answer",
-             reward_fn: Callable | None = None, eval_task: str = "", eval_split: str = "test") -> Task:
+             reward_fn: Callable | None = None, eval_task: str = "", eval_split: str = "test",
+             user_timeout: float = DEFAULT_USER_TIMEOUT) -> Task:
     """A built-in task by name ("addition", "sort") or your data (load_task's forms), with `reward_fn` (default:
-    exact match) and, if given, `eval_task` as the whole held-out set."""
+    exact match) and, if given, `eval_task` as the whole held-out set. A reward that cannot take the data's columns
+    is refused here (check_reward), before any model loads."""
     if name in TASKS:
         task = TASKS[name]()
         if reward_fn is not None:
@@ -462,6 +466,10 @@ def get_task(name: str, *, split: str = "train", prompt_key: str = "prompt", ans
             train = _drop_overlap(name, task.train.to_list(), test)
             task.train, task.test = datasets.Dataset.from_list(train), _from_examples(eval_task, test)
             task.max_new_tokens = max(task.max_new_tokens, max(len(e["answer"].encode("utf-8")) for e in test) + 8)
-        return task
-    return load_task(name, prompt_field=prompt_key, answer_field=answer_key, split=split, eval_path=eval_task,
-                     eval_split=eval_split, reward_fn=reward_fn)
+    else:
+        task = load_task(name, prompt_field=prompt_key, answer_field=answer_key, split=split, eval_path=eval_task,
+                         eval_split=eval_split, reward_fn=reward_fn)
+    for ds in (task.train, task.test) if task.reward_fn is not None else ():  # the held-out set may have other columns
+        check_reward(task.reward_fn, ds.column_names)
+    task.user_timeout = user_timeout
+    return task

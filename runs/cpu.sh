@@ -20,6 +20,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --max-turns 0 \
   --compact-at 0 \
   --reward "" \
+  --user-timeout 120.0 \
   --out-dir outputs/cpu \
   --steps 300 \
   --seed 0 \
