@@ -354,8 +354,7 @@ def check_fresh_start(out_dir: str, algo: str = "ppo") -> None:
             found.append(f"metrics.jsonl ({len(steps)} rows, up to step {max((s for s in steps if isinstance(s, int)), default='?')})")
         except ValueError as e:
             found.append(f"metrics.jsonl ({e})")
-    samples = os.path.join(out_dir, "samples")
-    if os.path.isdir(samples) and os.listdir(samples):
+    if os.path.isdir(samples := os.path.join(out_dir, "samples")) and os.listdir(samples):
         found.append(f"samples/ ({len(os.listdir(samples))} files)")
     found += [f"checkpoints/{name} ({checkpoint_problem(os.path.join(out_dir, 'checkpoints', name), algo)})" for name in _checkpoint_names(out_dir)]
     if found:
@@ -463,9 +462,10 @@ def _sha256_path(path: str) -> str:
 def _sha256_rows(ds) -> str:
     """sha256 of a split's rows in order, every column but `where` (a row's file name and line: a moved file's rows
     are the same rows)."""
-    h = hashlib.sha256()
-    for row in ds:
-        h.update(json.dumps({k: v for k, v in row.items() if k != "where"}, sort_keys=True, default=repr).encode() + b"\n")
+    h, keys = hashlib.sha256(), sorted(set(ds.column_names) - {"where"})
+    for batch in ds.iter(batch_size=4096):  # by batch: row by row, datasets' formatting costs 5x (100k rows: 1 s)
+        for row in zip(*(batch[k] for k in keys)):
+            h.update(json.dumps(dict(zip(keys, row)), sort_keys=True, default=repr).encode() + b"\n")
     return h.hexdigest()
 
 

@@ -455,3 +455,22 @@ def test_sigterm_before_the_steps_or_twice_stops_at_once(tmp_path):
     for armed, printed in ((False, ""), (True, "requested True\n")):
         p = subprocess.run([sys.executable, "-c", code.format(repo=REPO, armed=armed)], env=ENV, capture_output=True, text=True, timeout=120)
         assert p.returncode == -signal.SIGTERM and p.stdout == printed, (armed, p.stdout, p.stderr)
+
+
+@pytest.mark.torchrun
+def test_sigterm_to_one_rank_saves_on_every_rank(tmp_path):
+    """Under torchrun (dp=2), a SIGTERM to rank 0 alone: the ranks agree at the step boundary (one all-reduce), so both
+    write their trainer state into the checkpoint, and the job exits non-zero (a scheduler may requeue it)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train_ppo.py",
+                             *SIGTERM_ARGS, "--out-dir", str(out)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4:
+            os.kill(int((out / ".lock").read_text().split()[1]), signal.SIGTERM)  # the lock file names rank 0's pid
+            break
+        time.sleep(0.05)
+    text = proc.communicate(timeout=300)[0]
+    step = read_metrics(out)[-1]["step"]
+    assert proc.returncode != 0 and step < 12 and f"SIGTERM: stopping after step {step}" in text, text[-3000:]
+    assert {f for f in os.listdir(out / "checkpoints" / f"step_{step:06d}") if f.startswith("trainer_rank")} == {"trainer_rank0.pt", "trainer_rank1.pt"}
