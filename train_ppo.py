@@ -28,6 +28,7 @@ import functools
 import math
 import os
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
@@ -566,8 +567,6 @@ def step_metrics(run: Run, batch: Batch, m: Metrics, seconds: float) -> dict:
 
 
 if __name__ == "__main__":
-    import sys
-
     import tyro
 
     PREEMPTION.install()
