@@ -291,7 +291,7 @@ def checkpoint_problem(ckpt: str, algo: str = "ppo") -> str | None:
     try:
         with open(os.path.join(ckpt, "meta.json")) as f:
             meta = json.load(f)
-        world_size = meta["world_size"]
+        world_size, _ = int(meta["world_size"]), int(meta["step"])  # what check_resume and the resume read
     except FileNotFoundError:
         return "meta.json is missing (the writer renames only complete checkpoints into place: this one was damaged)"
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -322,8 +322,7 @@ def checkpoint_problem(ckpt: str, algo: str = "ppo") -> str | None:
 def _checkpoint_names(out_dir: str) -> list[str]:
     """Every step_* folder under checkpoints/, newest first: each is a checkpoint, intact or damaged."""
     root = os.path.join(out_dir, "checkpoints")
-    names = [d for d in os.listdir(root) if d.startswith("step_") and os.path.isdir(os.path.join(root, d))] if os.path.isdir(root) else []
-    return sorted(names, reverse=True)
+    return sorted((d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith("step_") and os.path.isdir(os.path.join(root, d))), reverse=True)
 
 
 def latest_checkpoint(out_dir: str, algo: str = "ppo") -> str | None:
@@ -370,8 +369,7 @@ RESUMABLE = ("steps", "eval_every", "eval_size", "eval_dtype", "eval_task", "eva
 
 
 def read_json(path: str, fix: str):
-    """A JSON file of the run folder; unreadable or not valid JSON (a copy cut short, an editor): an error naming the
-    file and `fix`, what to do."""
+    """A JSON file of the run folder; unreadable or invalid (a copy cut short): an error naming it and `fix`, what to do."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -399,6 +397,8 @@ def check_resume(cfg, ckpt: str, world_size: int) -> dict:
     if meta["world_size"] != world_size:
         raise ValueError(f"checkpoint {ckpt} was written by {meta['world_size']} processes, this run has {world_size}; resume with the same launch")
     record = _recorded(cfg.out_dir)
+    if os.path.isfile(metrics := os.path.join(cfg.out_dir, "metrics.jsonl")):
+        _read_metrics(metrics)  # a bad line mid-file is named now, before any model loads
     recorded, inputs = record["config"], record.get("inputs") or {}
     changed = {k: [recorded.get(k), v] for k, v in asdict(cfg).items() if k != "out_dir" and (k not in recorded or recorded[k] != v)}
     for k in set(changed) & set(PATH_OPTIONS):

@@ -241,9 +241,15 @@ def _remove(*paths):
         shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
 
-# name -> (damage(run folder), the checkpoint a resume takes or None, the note or refusal it prints)
+def _bad_metrics_line(d):
+    lines = open(os.path.join(d, "metrics.jsonl")).read().splitlines()
+    open(os.path.join(d, "metrics.jsonl"), "w").write("\n".join([lines[0], lines[1][:20], *lines[2:]]) + "\n")
+
+
+# name -> (damage(run folder), the checkpoint step a resume takes, or the error a rerun stops with; the note or error)
 HOSTILE_FOLDERS = {
     "newest_without_meta": (lambda d: _remove(_ckpt(d, 2, "meta.json")), 1, r"skipped damaged step_000002 \(meta.json is missing"),
+    "newest_meta_truncated": (lambda d: os.truncate(_ckpt(d, 2, "meta.json"), 5), 1, r"step_000002 \(meta.json is unreadable \(JSONDecodeError"),
     "newest_without_critic": (lambda d: _remove(_ckpt(d, 2, "critic")), 1, r"skipped damaged step_000002 \(critic/config.json is missing"),
     "newest_critic_without_config": (lambda d: _remove(_ckpt(d, 2, "critic", "config.json")), 1,
                                      r"skipped damaged step_000002 \(critic/config.json is missing"),
@@ -251,34 +257,36 @@ HOSTILE_FOLDERS = {
                                       r"step_000002 \(critic/model.safetensors is missing"),
     "newest_policy_config_truncated": (lambda d: os.truncate(_ckpt(d, 2, "policy", "config.json"), 20), 1,
                                        r"step_000002 \(policy/config.json is not valid JSON"),
-    "only_step_folder_without_meta": (lambda d: _remove(_ckpt(d, 2), _ckpt(d, 1, "meta.json")), None,
+    "only_step_folder_without_meta": (lambda d: _remove(_ckpt(d, 2), _ckpt(d, 1, "meta.json")), RuntimeError,
                                       r"config.json; metrics.jsonl \(3 rows, up to step 2\); samples/ \(2 files\); "
                                       r"checkpoints/step_000001 \(meta.json is missing"),
-    "records_but_no_checkpoint": (lambda d: _remove(os.path.join(d, "checkpoints")), None,
+    "records_but_no_checkpoint": (lambda d: _remove(os.path.join(d, "checkpoints")), RuntimeError,
                                   r"no usable checkpoint to resume from: config.json; metrics.jsonl \(3 rows, up to step 2\); samples/"),
-    "config_json_only": (lambda d: _remove(*[os.path.join(d, f) for f in ("checkpoints", "metrics.jsonl", "samples")]), None,
+    "config_json_only": (lambda d: _remove(*[os.path.join(d, f) for f in ("checkpoints", "metrics.jsonl", "samples")]), RuntimeError,
                          r"no usable checkpoint to resume from: config.json\. Starting afresh would overwrite them: use a new --out-dir, "
                          r"or remove those files"),
+    "metrics_bad_line_mid_file": (_bad_metrics_line, ValueError, r"metrics.jsonl: line 2 is not valid JSON .*; repair or remove it to resume"),
 }
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", sorted(HOSTILE_FOLDERS))
-def test_hostile_run_folders(case, ppo_run, tmp_path, capsys):
+def test_hostile_run_folders(case, ppo_run, tmp_path, capsys, monkeypatch):
     """Every step_* folder is a checkpoint: a damaged newest one (a file a resume loads is missing or broken, the
     critic's included) is skipped with a note naming it, and the resume takes the older intact one; a folder with
-    records but no usable checkpoint is refused before anything is written, listing what it holds."""
-    damage, step, msg = HOSTILE_FOLDERS[case]
+    records but no usable checkpoint, or a broken record, is refused before any model is built or anything is
+    written, listing what it holds."""
+    damage, want, msg = HOSTILE_FOLDERS[case]
     run = str(tmp_path / "run")
     shutil.copytree(ppo_run, run)
     damage(run)
-    if step is not None:
-        assert latest_checkpoint(run, "ppo") == _ckpt(run, step)
+    if isinstance(want, int):
+        assert latest_checkpoint(run, "ppo") == _ckpt(run, want)
         assert re.search(msg, capsys.readouterr().out)
         return
-    assert latest_checkpoint(run, "ppo") is None
     before = {f: open(os.path.join(run, f), "rb").read() for f in ("config.json", "metrics.jsonl") if os.path.exists(os.path.join(run, f))}
-    with pytest.raises(RuntimeError, match=msg):
+    monkeypatch.setattr(train_ppo, "build_models", lambda *a: pytest.fail("a model was built before the refusal"))
+    with pytest.raises(want, match=msg):
         main(small(run, steps=3, save_every=1))
     assert before == {f: open(os.path.join(run, f), "rb").read() for f in before}  # nothing overwritten
 
