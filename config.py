@@ -67,6 +67,8 @@ class Config:
     """Seed of everything: data order, sampling, minibatch shuffles."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms: bit-exact resume on CPU."""
+    accept_changed_inputs: bool = False
+    """Resume although the data, reward or environment files (or the splits) differ from those the run recorded."""
     # algorithm
     algo: Literal["ppo", "grpo"] = "ppo"
     """ppo: critic + token-level GAE. grpo: group-relative advantages, no critic."""

@@ -1,4 +1,5 @@
-"""The trainer's forward passes over a step's batch, and how the batch is split into minibatches and micro-batches.
+"""The trainer's forward passes over a step's batch, how the batch is split into minibatches and micro-batches, and
+the optimiser step over them (the global loss denominator, the gradient sum over dp, the non-finite guard).
 
     logp, entropy = response_logprobs(policy, tb, rows, tokens, cfg, entropy=True)   # [b, T] each, response tokens only
     values = response_values(critic, tb, rows, cfg)                                  # [b, T], V before each response token
@@ -12,11 +13,15 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import losses
 import moe
 from config import Config
+from parallel import all_reduce, all_reduce_grads, clip_grad_norm_
 from rollout import TrainBatch
+from runlog import latest_checkpoint
 from value_model import critic_values
 
 
@@ -97,3 +102,43 @@ def check_head(model) -> None:
     if returned is not sentinel:
         raise ValueError(f"--model: {type(model).__name__}'s forward post-processes the LM head's output (a logit softcap or "
                          "scale?), which the trainer's response-only log-probs would drop")
+
+
+# ----------------------------------------------------------------------------- denominators and optimiser steps
+
+
+def denominator(loss_mask: torch.Tensor, keep_rows: torch.Tensor, cfg: Config, max_len: int, group) -> torch.Tensor:
+    """losses.loss_denominator of a minibatch over its kept (rewarded) rows only, so a row without a reward leaves
+    N_seq as well as N_tok; summed over dp ranks, at least 1 (a minibatch with nothing to learn has loss 0)."""
+    return all_reduce(losses.loss_denominator(loss_mask[keep_rows], cfg.agg, max_len), group).clamp_min(1)
+
+
+def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, bool, bool]:
+    """Sum gradients over dp, clip, step unless the gradient is non-finite (then skip). Returns (grad norm,
+    stepped, weights finite after it). Same decisions on all ranks: the norm is of the reduced, global gradient."""
+    all_reduce_grads(model, dp_group)
+    norm = clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+    ok = bool(torch.isfinite(norm))
+    weights_ok = True
+    if ok:
+        opt.step()
+        local = torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in model.parameters()]).all()
+        weights_ok = bool(all_reduce(local.float(), op=dist.ReduceOp.MIN))  # TP ranks hold different shards
+    opt.zero_grad(set_to_none=True)
+    return norm.detach(), ok, weights_ok
+
+
+def check_finite(ok: bool, weights_ok: bool, bad: dict[str, int], what: str, where: str, norm: torch.Tensor, cfg: Config) -> None:
+    """Count each model's consecutive skipped (non-finite) updates in bad[what]; stop the run after max_bad_steps
+    of them, or at once if an update left non-finite weights (it cannot be undone). No checkpoint is written
+    while a streak lasts, so the last one on disk predates the trouble and resumes with a new --lr."""
+    bad[what] = 0 if ok else bad[what] + 1
+    if not ok:
+        print(f"{where}: skipped a {what} update with a non-finite loss or gradient (norm {norm.item()})", flush=True)
+    if weights_ok and bad[what] < cfg.max_bad_steps:
+        return
+    why = (f"the {what} update made its weights non-finite (grad norm {norm.item()})" if not weights_ok else
+           f"{bad[what]} consecutive {what} updates had a non-finite loss or gradient (last grad norm {norm.item()})")
+    last = latest_checkpoint(cfg.out_dir, cfg.algo)
+    raise RuntimeError(f"{where}: {why}. Nothing was saved after the trouble began: lower --{'lr' if what == 'policy' else 'critic-lr'} "
+                       f"or check the rewards, and {'resume from ' + last + ' (rerun with the same --out-dir)' if last else 'start again'}")

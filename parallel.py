@@ -77,6 +77,39 @@ def init_runtime() -> Runtime:
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
 
 
+class Preemption:
+    """Save on SIGTERM (a scheduler preempting the job; torchrun forwards its own SIGTERM to every worker). install()
+    (the training script's processes) makes a SIGTERM set a flag once `armed` (the RL steps have begun); agreed(), called
+    by every rank at each step boundary, is whether any rank got one (a MAX over the world), so all of them join the
+    checkpoint the trainer then writes before it stops with exit code 143 = 128 + SIGTERM (not 0, which would tell the
+    scheduler the job is done: non-zero lets it requeue the job, and the rerun resumes). torchrun waits
+    --shutdown-timeout seconds (default 30, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT) after forwarding a SIGTERM before its
+    SIGKILL: the rest of a step plus a checkpoint must fit in it. A second SIGTERM, one before `armed` (setup, critic
+    pretraining: nothing is saved then), and SIGINT (Ctrl-C) stop at once, as without the handler."""
+
+    def __init__(self):
+        self.armed = self.requested = self.stopped = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.requested or not self.armed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.requested = True
+        os.write(2, b"SIGTERM: a checkpoint is written at the end of this step, then the run stops (a second SIGTERM stops it now)\n")
+
+    def agreed(self, device: torch.device) -> bool:
+        """Collective (every rank, every step): whether any rank got a SIGTERM. One float all-reduced: no RNG or
+        numerics touched."""
+        return bool(all_reduce(torch.tensor(float(self.requested), device=device), op=dist.ReduceOp.MAX))
+
+
+PREEMPTION = Preemption()
+
+
 def print0(*args, **kwargs) -> None:
     """print() on global rank 0 only."""
     if int(os.environ.get("RANK", 0)) == 0:

@@ -28,13 +28,13 @@ import functools
 import math
 import os
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import losses
@@ -44,10 +44,11 @@ from config import Config, check_model, resolve
 from data.rewards import load_reward
 from data.tasks import get_task
 from evaluation import evaluate, rollouts, scored
-from forward import check_head, micro, minibatches, response_logprobs, response_values
-from parallel import Runtime, all_reduce, all_reduce_grads, clip_grad_norm_, init_runtime, make_mesh, parallelize, print0
+from forward import check_finite, check_head, denominator, micro, minibatches, optimizer_step, response_logprobs, response_values
+from parallel import PREEMPTION, Runtime, all_reduce, init_runtime, make_mesh, parallelize, print0
 from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights
-from runlog import Metrics, RunLog, check_resume, latest_checkpoint, load_trainer_state, lock_run_dir, save_checkpoint, timed
+from runlog import (Metrics, RunLog, check_fresh_start, check_inputs, check_resume, input_fingerprints, latest_checkpoint, load_trainer_state,
+                    lock_run_dir, save_checkpoint, timed)
 from value_model import (PLATEAU_WINDOW, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic, load_policy,
                          set_head_to_mean)
 
@@ -66,9 +67,11 @@ def main(cfg: Config) -> list[dict]:
     log = start_log(run, models, engines, task, tok, model_path)
     if models.fresh_head and run.cfg.critic_pretrain > 0:
         pretrain_critic(run, models, engines, task, tok, log)
+    PREEMPTION.armed = True  # from here a SIGTERM saves at the next step boundary (parallel.Preemption)
     for step in range(models.start, run.cfg.steps):
         m = train_step(run, models, engines, task, tok, index=step, train_policy=True)
-        finish_step(run, models, engines, task, tok, log, step, m)
+        if finish_step(run, models, engines, task, tok, log, step, m):
+            break  # stopped on SIGTERM, after a checkpoint
     return shutdown(run, engines, log)
 
 
@@ -126,8 +129,9 @@ def pretrain_critic(run: Run, models: Models, engines: Engines, task, tok, log: 
     save(run, models, tok, 0)
 
 
-def finish_step(run: Run, models: Models, engines: Engines, task, tok, log: RunLog, step: int, m: Metrics) -> None:
-    """Reduce the step's metrics, evaluate when due, log, plot, checkpoint."""
+def finish_step(run: Run, models: Models, engines: Engines, task, tok, log: RunLog, step: int, m: Metrics) -> bool:
+    """Reduce the step's metrics, evaluate when due, log, plot, checkpoint; on a SIGTERM (any rank's) checkpoint and
+    return True: the run stops."""
     cfg = run.cfg
     row, records = {"step": step + 1, **m.reduce()}, None
     last = step + 1 == cfg.steps
@@ -149,8 +153,14 @@ def finish_step(run: Run, models: Models, engines: Engines, task, tok, log: RunL
     if records is not None or last:
         log.plot()
     due = (step + 1) // cfg.save_every > models.saved_at // cfg.save_every  # a multiple of --save-every passed since
-    if last or (due and not any(models.bad.values())):  # never mid-streak of skipped updates: see check_finite
+    stop = PREEMPTION.agreed(run.rt.device) and not last
+    if last or ((due or stop) and not any(models.bad.values())):  # never mid-streak of skipped updates: see check_finite
         save(run, models, tok, step + 1)
+    if stop:
+        PREEMPTION.stopped = True
+        print0(f"SIGTERM: stopping after step {step + 1}, checkpoint {os.path.join(cfg.out_dir, 'checkpoints', f'step_{models.saved_at:06d}')}"
+               " (exit code 143); rerun the same command to resume")
+    return stop
 
 
 def shutdown(run: Run, engines: Engines, log: RunLog) -> list[dict]:
@@ -181,7 +191,8 @@ class Run:
     fsdp: Any  # the data-parallel mesh when --fsdp shards over it, else None
     engine_rank: bool  # the first rank of each TP group holds the rollout engine
     ckpt: str | None  # the checkpoint this run resumes from
-    changes: dict  # options the resume changed, {name: [old, new]}
+    changes: dict  # options (and, from load_task, inputs) the resume changed, {name: [old, new]}
+    inputs: dict  # the run's input fingerprints (runlog.input_fingerprints), filled by load_task
     group: int  # rows kept together in minibatches: a prompt's n samples (1 with compaction)
     share: bool  # a group's rows share one forward of their prompt (TrainBatch.shared)
     lock: Any  # the run folder's lock (rank 0), held until the process ends
@@ -254,23 +265,26 @@ def setup(cfg: Config) -> Run:
         torch.use_deterministic_algorithms(True)
     mesh = make_mesh(rt, cfg.tp)
     tp_mesh = mesh["tp"] if mesh else None
-    ckpt = latest_checkpoint(cfg.out_dir)
-    changes = check_resume(cfg, ckpt, rt.world_size) if ckpt else {}
+    ckpt = latest_checkpoint(cfg.out_dir, cfg.algo)
+    changes = check_resume(cfg, ckpt, rt.world_size) if ckpt else check_fresh_start(cfg.out_dir, cfg.algo) or {}
     group = 1 if cfg.compact_at else plan["n"]
     return Run(cfg, rt, plan, dp_group=mesh["dp"].get_group() if mesh else None, tp_mesh=tp_mesh,
                dp_rank=mesh["dp"].get_local_rank() if mesh else 0, fsdp=mesh["dp"] if mesh and cfg.fsdp else None,
-               engine_rank=tp_mesh is None or tp_mesh.get_local_rank() == 0, ckpt=ckpt, changes=changes, group=group,
-               share=cfg.shared_prefix and group > 1, lock=lock)
+               engine_rank=tp_mesh is None or tp_mesh.get_local_rank() == 0, ckpt=ckpt, changes=changes, inputs={},
+               group=group, share=cfg.shared_prefix and group > 1, lock=lock)
 
 
 def load_task(run: Run):
-    """(task, tokenizer, model folder). A bad task, data file or row fails here, before any model is built; the
-    default model is built (rank 0) on first use."""
+    """(task, tokenizer, model folder). A bad task, data file or row fails here, and a resume's changed inputs
+    (runlog.check_inputs), before any model is built; the default model is built (rank 0) on first use."""
     cfg = run.cfg
     task = get_task(cfg.task, split=cfg.split, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                     reward_fn=load_reward(cfg.reward), eval_task=cfg.eval_task, eval_split=cfg.eval_split, user_timeout=cfg.user_timeout)
     if cfg.env:
         task.env, task.max_turns = load_env(cfg.env), DEFAULT_MAX_TURNS
+    run.inputs.update(input_fingerprints(cfg, task))
+    if run.ckpt:
+        run.changes.update(check_inputs(cfg, run.inputs, run.changes))
     model_path = cfg.model
     if not model_path:
         from data.tiny import default_model
@@ -340,7 +354,7 @@ def start_log(run: Run, models: Models, engines: Engines, task, tok, model_path:
     evaluation."""
     cfg, plan = run.cfg, run.plan
     log = RunLog(cfg.out_dir, run.rt.rank, {**asdict(cfg), **plan, "model_path": model_path}, models.start if run.ckpt else -1,
-                 cfg.wandb, cfg.tensorboard, run.changes)
+                 cfg.wandb, cfg.tensorboard, run.changes, run.inputs)
     print0(f"{'resuming at step ' + str(models.start) if run.ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
            f"world {run.rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}")
     if run.ckpt is None:
@@ -551,49 +565,11 @@ def step_metrics(run: Run, batch: Batch, m: Metrics, seconds: float) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- denominators and optimiser steps
-
-
-def denominator(loss_mask: torch.Tensor, keep_rows: torch.Tensor, cfg: Config, max_len: int, group) -> torch.Tensor:
-    """losses.loss_denominator of a minibatch over its kept (rewarded) rows only, so a row without a reward leaves
-    N_seq as well as N_tok; summed over dp ranks, at least 1 (a minibatch with nothing to learn has loss 0)."""
-    return all_reduce(losses.loss_denominator(loss_mask[keep_rows], cfg.agg, max_len), group).clamp_min(1)
-
-
-def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, bool, bool]:
-    """Sum gradients over dp, clip, step unless the gradient is non-finite (then skip). Returns (grad norm,
-    stepped, weights finite after it). Same decisions on all ranks: the norm is of the reduced, global gradient."""
-    all_reduce_grads(model, dp_group)
-    norm = clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
-    ok = bool(torch.isfinite(norm))
-    weights_ok = True
-    if ok:
-        opt.step()
-        local = torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in model.parameters()]).all()
-        weights_ok = bool(all_reduce(local.float(), op=dist.ReduceOp.MIN))  # TP ranks hold different shards
-    opt.zero_grad(set_to_none=True)
-    return norm.detach(), ok, weights_ok
-
-
-def check_finite(ok: bool, weights_ok: bool, bad: dict[str, int], what: str, where: str, norm: torch.Tensor, cfg: Config) -> None:
-    """Count each model's consecutive skipped (non-finite) updates in bad[what]; stop the run after max_bad_steps
-    of them, or at once if an update left non-finite weights (it cannot be undone). No checkpoint is written
-    while a streak lasts, so the last one on disk predates the trouble and resumes with a new --lr."""
-    bad[what] = 0 if ok else bad[what] + 1
-    if not ok:
-        print(f"{where}: skipped a {what} update with a non-finite loss or gradient (norm {norm.item()})", flush=True)
-    if weights_ok and bad[what] < cfg.max_bad_steps:
-        return
-    why = (f"the {what} update made its weights non-finite (grad norm {norm.item()})" if not weights_ok else
-           f"{bad[what]} consecutive {what} updates had a non-finite loss or gradient (last grad norm {norm.item()})")
-    last = latest_checkpoint(cfg.out_dir)
-    raise RuntimeError(f"{where}: {why}. Nothing was saved after the trouble began: lower --{'lr' if what == 'policy' else 'critic-lr'} "
-                       f"or check the rewards, and {'resume from ' + last + ' (rerun with the same --out-dir)' if last else 'start again'}")
-
-
 if __name__ == "__main__":
     import tyro
 
+    PREEMPTION.install()
     main(tyro.cli(Config))
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.exit(143 if PREEMPTION.stopped else 0)

@@ -8,9 +8,10 @@
 
 Each (task, arm, seed) is a normal run folder <runs-dir>/<grid>/<task>/<arm>/seed<k> written by one single-process
 train_ppo.py (its output in log.txt); --jobs of them run at once. A run is finished when its metrics.jsonl has an
-evaluation row at the last step; any other is relaunched, and train_ppo.py resumes it from its last checkpoint. The
-report (docs/lab/<grid>.md; PNGs and the compact metrics in docs/lab/<grid>/) opens with the grid's hypothesis and
-decision rule, written below before the grid was run: never edit them after seeing results; add a new grid instead.
+evaluation row at the last step; any other is relaunched, and train_ppo.py resumes it from its last checkpoint (one
+stopped before its first checkpoint starts over: clear_unsaved). The report (docs/lab/<grid>.md; PNGs and the compact
+metrics in docs/lab/<grid>/) opens with the grid's hypothesis and decision rule, written below before the grid was
+run: never edit them after seeing results; add a new grid instead.
 """
 
 import argparse
@@ -21,6 +22,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -261,6 +263,20 @@ def finished(run_dir, steps):
     return any(r["step"] == steps and "eval/greedy_acc" in r for r in curve(read_rows(run_dir)))
 
 
+def clear_unsaved(run_dir):
+    """A run stopped before its first checkpoint is redone from the start: remove its records, which train_ppo.py
+    refuses to overwrite (a folder with records and no checkpoint is never started over by the trainer itself)."""
+    ckpts = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(ckpts) and any(d.startswith("step_") for d in os.listdir(ckpts)):
+        return
+    for name in ("config.json", "metrics.jsonl", "samples", "checkpoints"):
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
 def log_tail(path, n=15):
     with open(path, errors="replace") as f:
         return "\n".join([x for x in re.split(r"[\r\n]", f.read()) if x.strip()][-n:])  # tqdm bars end in \r
@@ -312,6 +328,7 @@ def run_all(g, root, todo, jobs, stored=()):
                 task, arm, seed = job
                 d = f"{root}/{task}/{arm}/seed{seed}"
                 os.makedirs(d, exist_ok=True)
+                clear_unsaved(d)
                 cmd = [sys.executable, TRAIN, "--out-dir", d, "--seed", str(seed), "--task", task,
                        "--steps", str(steps_of(g, task)), *g["base"], *g["arms"][arm]]
                 with open(os.path.join(d, "log.txt"), "a") as log:

@@ -25,6 +25,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --steps 300 \
   --seed 0 \
   --no-deterministic \
+  --no-accept-changed-inputs \
   --algo ppo \
   --correction icepop \
   --icepop-low 0.5 \

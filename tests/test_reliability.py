@@ -3,21 +3,23 @@ second run, a damaged checkpoint, a torn metrics line or a changed resume; the n
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
 import evaluation
 import train_ppo
-from conftest import ENV, REPO, small
-from data.rewards import Scores
+from conftest import ENV, REPO, read_metrics, small, start_train, train_cli
+from data.rewards import Scores, load_reward
 from data.tasks import get_task
-from runlog import latest_checkpoint, lock_run_dir
+from runlog import check_fresh_start, check_inputs, check_resume, input_fingerprints, latest_checkpoint, lock_run_dir
 from train_ppo import check_finite, main, optimizer_step
 
 
@@ -167,8 +169,9 @@ def test_damaged_newest_checkpoint_falls_back_and_torn_metrics_line_is_dropped(t
     assert [r["step"] for r in hist] == [0, 1, 2, 3]
     for d in os.listdir(tmp_path / "checkpoints"):
         os.truncate(tmp_path / "checkpoints" / d / "trainer_rank0.pt", 10)
-    with pytest.raises(RuntimeError, match="every checkpoint in .* is damaged"):
-        latest_checkpoint(str(tmp_path))
+    assert latest_checkpoint(str(tmp_path)) is None
+    with pytest.raises(RuntimeError, match=r"holds a run's records but no usable checkpoint.*step_000003 \(.*trainer_rank0.pt is missing or damaged"):
+        check_fresh_start(str(tmp_path))
 
 
 @pytest.mark.torchrun
@@ -216,3 +219,266 @@ def test_trainer_state_with_a_pickle_payload_is_refused(tmp_path):
     with pytest.raises(Exception, match="Weights only load failed"):
         load_trainer_state(str(tmp_path), 0, 1, {})
     assert not os.path.exists(marker)
+
+
+# ----------------------------------------------------------------------------- hostile run folders (issue 21, class 2)
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    """A finished 2-step PPO run with checkpoints at steps 1 and 2, to copy and damage."""
+    out = tmp_path_factory.mktemp("ppo_run")
+    main(small(out, steps=2, save_every=1))
+    return out
+
+
+def _ckpt(path, step, *parts):
+    return os.path.join(path, "checkpoints", f"step_{step:06d}", *parts)
+
+
+def _remove(*paths):
+    for p in paths:
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+
+
+def _bad_metrics_line(d):
+    lines = open(os.path.join(d, "metrics.jsonl")).read().splitlines()
+    open(os.path.join(d, "metrics.jsonl"), "w").write("\n".join([lines[0], lines[1][:20], *lines[2:]]) + "\n")
+
+
+# name -> (damage(run folder), the checkpoint step a resume takes, or the error a rerun stops with; the note or error)
+HOSTILE_FOLDERS = {
+    "newest_without_meta": (lambda d: _remove(_ckpt(d, 2, "meta.json")), 1, r"skipped damaged step_000002 \(meta.json is missing"),
+    "newest_meta_truncated": (lambda d: os.truncate(_ckpt(d, 2, "meta.json"), 5), 1, r"step_000002 \(meta.json is unreadable \(JSONDecodeError"),
+    "newest_without_critic": (lambda d: _remove(_ckpt(d, 2, "critic")), 1, r"skipped damaged step_000002 \(critic/config.json is missing"),
+    "newest_critic_without_config": (lambda d: _remove(_ckpt(d, 2, "critic", "config.json")), 1,
+                                     r"skipped damaged step_000002 \(critic/config.json is missing"),
+    "newest_critic_without_weights": (lambda d: _remove(_ckpt(d, 2, "critic", "model.safetensors")), 1,
+                                      r"step_000002 \(critic/model.safetensors is missing"),
+    "newest_policy_config_truncated": (lambda d: os.truncate(_ckpt(d, 2, "policy", "config.json"), 20), 1,
+                                       r"step_000002 \(policy/config.json is not valid JSON"),
+    "only_step_folder_without_meta": (lambda d: _remove(_ckpt(d, 2), _ckpt(d, 1, "meta.json")), RuntimeError,
+                                      r"config.json; metrics.jsonl \(3 rows, up to step 2\); samples/ \(2 files\); "
+                                      r"checkpoints/step_000001 \(meta.json is missing"),
+    "records_but_no_checkpoint": (lambda d: _remove(os.path.join(d, "checkpoints")), RuntimeError,
+                                  r"no usable checkpoint to resume from: config.json; metrics.jsonl \(3 rows, up to step 2\); samples/"),
+    "config_json_only": (lambda d: _remove(*[os.path.join(d, f) for f in ("checkpoints", "metrics.jsonl", "samples")]), RuntimeError,
+                         r"no usable checkpoint to resume from: config.json\. Starting afresh would overwrite them: use a new --out-dir, "
+                         r"or remove those files"),
+    "metrics_bad_line_mid_file": (_bad_metrics_line, ValueError, r"metrics.jsonl: line 2 is not valid JSON .*; repair or remove it to resume"),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", sorted(HOSTILE_FOLDERS))
+def test_hostile_run_folders(case, ppo_run, tmp_path, capsys, monkeypatch):
+    """Every step_* folder is a checkpoint: a damaged newest one (a file a resume loads is missing or broken, the
+    critic's included) is skipped with a note naming it, and the resume takes the older intact one; a folder with
+    records but no usable checkpoint, or a broken record, is refused before any model is built or anything is
+    written, listing what it holds."""
+    damage, want, msg = HOSTILE_FOLDERS[case]
+    run = str(tmp_path / "run")
+    shutil.copytree(ppo_run, run)
+    damage(run)
+    if isinstance(want, int):
+        assert latest_checkpoint(run, "ppo") == _ckpt(run, want)
+        assert re.search(msg, capsys.readouterr().out)
+        return
+    before = {f: open(os.path.join(run, f), "rb").read() for f in ("config.json", "metrics.jsonl") if os.path.exists(os.path.join(run, f))}
+    monkeypatch.setattr(train_ppo, "build_models", lambda *a: pytest.fail("a model was built before the refusal"))
+    with pytest.raises(want, match=msg):
+        main(small(run, steps=3, save_every=1))
+    assert before == {f: open(os.path.join(run, f), "rb").read() for f in before}  # nothing overwritten
+
+
+@pytest.mark.e2e
+def test_newest_checkpoint_without_critic_resumes_from_the_one_before(ppo_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(ppo_run, run)
+    _remove(_ckpt(run, 2, "critic"))
+    hist = main(small(run, steps=3, save_every=1))
+    assert [r["step"] for r in hist] == [0, 1, 2, 3]
+
+
+def test_a_folder_with_only_the_lock_is_a_fresh_start(tmp_path):
+    held = lock_run_dir(str(tmp_path))
+    check_fresh_start(str(tmp_path))
+    held.close()
+
+
+# ----------------------------------------------------------------------------- a run's identity (issue 21, class 4)
+
+
+REWARD = "def score(completions, *, answer, **_):\n    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+ENV_FILE = "class Env:\n    def reset(self, row):\n        return 'go'\n    def step(self, text):\n        return None, 1.0, True\n"
+
+
+def _rows(n):
+    return "".join(json.dumps({"prompt": f"{i:03d}+{2 * i:03d}", "answer": f"{3 * i:04d}"}) + "\n" for i in range(n))
+
+
+def _resume(cfg):
+    """What a resume of cfg into a recorded folder (_record) does before any model loads: the option check, then the
+    inputs' fingerprints after the task loads. Returns the accepted changes."""
+    changes = check_resume(cfg, _ckpt(cfg.out_dir, 1), 1)
+    task = get_task(cfg.task, reward_fn=load_reward(cfg.reward))
+    return {**changes, **check_inputs(cfg, input_fingerprints(cfg, task), changes)}
+
+
+@pytest.fixture
+def recorded(tmp_path):
+    """A run folder recorded by hand as a launch records it (config.json with the inputs' fingerprints, a checkpoint's
+    meta.json), with a data file, a reward file and an environment file; returns the launch's Config."""
+    for name, text in (("d.jsonl", _rows(20)), ("reward.py", REWARD), ("env.py", ENV_FILE)):
+        (tmp_path / name).write_text(text)
+    cfg = small(tmp_path / "run", task=str(tmp_path / "d.jsonl"), reward=f"{tmp_path / 'reward.py'}:score", env=f"{tmp_path / 'env.py'}:Env")
+    os.makedirs(_ckpt(cfg.out_dir, 1))
+    open(_ckpt(cfg.out_dir, 1, "meta.json"), "w").write(json.dumps({"step": 1, "world_size": 1}))
+    inputs = input_fingerprints(cfg, get_task(cfg.task, reward_fn=load_reward(cfg.reward)))
+    open(os.path.join(cfg.out_dir, "config.json"), "w").write(json.dumps({"config": asdict(cfg), "inputs": inputs}))
+    return cfg
+
+
+def _edit(path, f):
+    with open(path) as fh:
+        text = fh.read()
+    with open(path, "w") as fh:
+        fh.write(f(text))
+
+
+def _edit_record(cfg, f):
+    _edit(os.path.join(cfg.out_dir, "config.json"), lambda t: json.dumps(f(json.loads(t))))
+
+
+def _moved_run(cfg, tmp):
+    shutil.move(cfg.out_dir, tmp / "elsewhere")
+    return replace(cfg, out_dir=str(tmp / "elsewhere"))
+
+
+def _moved_data(cfg, tmp):
+    shutil.move(cfg.task, tmp / "renamed.jsonl")
+    return replace(cfg, task=str(tmp / "renamed.jsonl"))
+
+
+def _relative(cfg, tmp, key):  # the test runs in tmp
+    return replace(cfg, **{key: os.path.relpath(getattr(cfg, key), tmp)})
+
+
+# name -> (change(launch cfg, tmp_path) -> resume cfg, a refusal's pattern, or the accepted changes' keys)
+IDENTITY = {
+    "data_file_edited": (lambda c, t: _edit(c.task, lambda s: s.replace('"0003"', '"9999"')) or c,
+                         r"--task: .*d.jsonl \(sha256 \w+\) recorded, .*d.jsonl \(sha256 \w+\) now"),
+    "data_rows_appended": (lambda c, t: _edit(c.task, lambda s: s + _rows(23)[len(s):]) or c,
+                           r"the held-out split: 2 rows \(sha256 \w+\) recorded, 2 rows \(sha256 \w+\) now; the train split: 18 rows"),
+    "reward_file_edited": (lambda c, t: _edit(c.reward.rpartition(":")[0], lambda s: s.replace("float(", "-float(")) or c,
+                           r"--reward's file: .*reward.py \(sha256"),
+    "env_file_edited": (lambda c, t: _edit(c.env.rpartition(":")[0], lambda s: s.replace("1.0", "2.0")) or c, r"--env's file: .*env.py"),
+    "another_reward_function": (lambda c, t: replace(c, reward=c.reward.replace(":score", ":other")), r"--reward '.*:score' -> '.*:other'"),
+    "missing_key_in_record": (lambda c, t: _edit_record(c, lambda m: {**m, "config": {k: v for k, v in m["config"].items() if k != "algo"}})
+                              or replace(c, algo="grpo"), r"--algo \(not recorded\) -> 'grpo'"),
+    "no_fingerprints_in_record": (lambda c, t: _edit_record(c, lambda m: {k: v for k, v in m.items() if k != "inputs"}) or c,
+                                  r"inputs changed since it was launched: config.json records no fingerprints"),
+    "truncated_config_json": (lambda c, t: os.truncate(os.path.join(c.out_dir, "config.json"), 30) or c,
+                              r"config.json is unreadable or not valid JSON \(JSONDecodeError.*\); restore it"),
+    "config_json_not_a_record": (lambda c, t: _edit_record(c, lambda m: [1, 2]) or c, r'config.json has no "config" object'),
+    "out_dir_trailing_slash": (lambda c, t: replace(c, out_dir=c.out_dir + "/"), set()),
+    "out_dir_relative": (lambda c, t: _relative(c, t, "out_dir"), set()),
+    "run_folder_moved": (_moved_run, set()),
+    "data_path_relative": (lambda c, t: _relative(c, t, "task"), set()),
+    "data_file_moved_same_content": (_moved_data, {"inputs/task"}),
+    "changed_data_accepted_with_the_flag": (lambda c, t: _edit(c.task, lambda s: s + _rows(23)[len(s):]) or replace(c, accept_changed_inputs=True),
+                                            {"accept_changed_inputs", "inputs/task", "inputs/train_split", "inputs/test_split"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IDENTITY))
+def test_resume_identity(case, recorded, tmp_path, monkeypatch):
+    """A resume is the recorded run: the data, reward and environment files and both splits compared by content
+    (refused by name, recorded vs now, unless --accept-changed-inputs), a key the record lacks is a change, a broken
+    record is named; paths compare resolved (the run folder or a data file moved or spelled otherwise is the same)."""
+    monkeypatch.chdir(tmp_path)
+    change, want = IDENTITY[case]
+    cfg = change(recorded, tmp_path)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            _resume(cfg)
+    else:
+        assert set(_resume(cfg)) == want
+
+
+@pytest.mark.e2e
+def test_appended_data_rows_are_refused_on_resume_and_accepted_with_the_flag(tmp_path):
+    """Appending rows moves held-out prompts into train: the resume stops before any model loads; with
+    --accept-changed-inputs it goes on, and config.json records what it accepted and the new fingerprints."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(_rows(20))
+    main(small(tmp_path / "run", task=str(data), steps=1))
+    data.write_text(_rows(23))
+    with pytest.raises(ValueError, match=r"the held-out split: 2 rows .* recorded, .*; the train split: 18 rows \(sha256 \w+\) recorded, 21 rows \(sha256 \w+\) now"):
+        main(small(tmp_path / "run", task=str(data), steps=2))
+    hist = main(small(tmp_path / "run", task=str(data), steps=2, accept_changed_inputs=True))
+    assert [r["step"] for r in hist] == [0, 1, 2]
+    record = json.load(open(tmp_path / "run" / "config.json"))
+    changed = record["resumes"][-1]["changed"]
+    assert changed["accept_changed_inputs"] == [False, True] and changed["inputs/train_split"][1]["rows"] == 21
+    assert record["inputs"]["train_split"]["rows"] == 21
+
+
+# ----------------------------------------------------------------------------- save on SIGTERM
+
+
+SIGTERM_ARGS = ["--steps", "12", "--save-every", "100", "--eval-every", "100", "--eval-size", "8", "--rollout-batch", "16",
+                "--critic-pretrain", "0", "--deterministic"]
+
+
+@pytest.mark.e2e
+def test_sigterm_saves_at_the_step_boundary_and_the_resume_equals_uninterrupted(tmp_path):
+    """A SIGTERM after a few steps: the run finishes the step, writes a checkpoint at it, exits 143; rerun, it resumes
+    there and logs what an uninterrupted run logs."""
+    ref = train_cli(*SIGTERM_ARGS, "--out-dir", tmp_path / "ref")
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    proc = start_train(*SIGTERM_ARGS, "--out-dir", tmp_path / "run")
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:  # the evaluation before RL and 3 steps
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, out[-3000:]
+    step = read_metrics(tmp_path / "run")[-1]["step"]
+    assert 3 <= step < 12 and f"SIGTERM: stopping after step {step}" in out
+    assert os.listdir(tmp_path / "run" / "checkpoints") == [f"step_{step:06d}"]
+    resumed = train_cli(*SIGTERM_ARGS, "--out-dir", tmp_path / "run")
+    assert resumed.returncode == 0 and f"resuming at step {step}" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert read_metrics(tmp_path / "run", volatile=False) == read_metrics(tmp_path / "ref", volatile=False)
+
+
+def test_sigterm_before_the_steps_or_twice_stops_at_once(tmp_path):
+    """Before the RL steps (armed False) a SIGTERM stops at once; once armed, the first only asks for a checkpoint
+    and a second stops at once: the process dies of the signal, as without the handler."""
+    code = ("import os, signal, sys, time\nsys.path.insert(0, {repo!r})\nfrom parallel import PREEMPTION\nPREEMPTION.install()\n"
+            "PREEMPTION.armed = {armed}\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.5)\nprint('requested', PREEMPTION.requested, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nprint('survived')\n")
+    for armed, printed in ((False, ""), (True, "requested True\n")):
+        p = subprocess.run([sys.executable, "-c", code.format(repo=REPO, armed=armed)], env=ENV, capture_output=True, text=True, timeout=120)
+        assert p.returncode == -signal.SIGTERM and p.stdout == printed, (armed, p.stdout, p.stderr)
+
+
+@pytest.mark.torchrun
+def test_sigterm_to_one_rank_saves_on_every_rank(tmp_path):
+    """Under torchrun (dp=2), a SIGTERM to rank 0 alone: the ranks agree at the step boundary (one all-reduce), so both
+    write their trainer state into the checkpoint, and the job exits non-zero (a scheduler may requeue it)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train_ppo.py",
+                             *SIGTERM_ARGS, "--out-dir", str(out)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4:
+            os.kill(int((out / ".lock").read_text().split()[1]), signal.SIGTERM)  # the lock file names rank 0's pid
+            break
+        time.sleep(0.05)
+    text = proc.communicate(timeout=300)[0]
+    step = read_metrics(out)[-1]["step"]
+    assert proc.returncode != 0 and step < 12 and f"SIGTERM: stopping after step {step}" in text, text[-3000:]
+    assert {f for f in os.listdir(out / "checkpoints" / f"step_{step:06d}") if f.startswith("trainer_rank")} == {"trainer_rank0.pt", "trainer_rank1.pt"}

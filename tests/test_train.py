@@ -3,6 +3,7 @@ data-parallel and tensor-parallel runs equal the single-process step."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,8 +227,9 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.e2e
 @pytest.mark.parametrize("kill_after_lines", [3, 7])
 def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines, uninterrupted):
-    """Killed during critic pretraining (3 lines: the evaluation before RL and 2 pretraining rows; it is redone)
-    or after RL step 3 (7 lines: evaluation, 3 pretraining rows, 3 steps; it resumes from step 2)."""
+    """Killed during critic pretraining (3 lines: the evaluation before RL and 2 pretraining rows; no checkpoint yet, so
+    the rerun refuses to overwrite those records, and once they are removed, as it says, starts over) or after RL step
+    3 (7 lines: evaluation, 3 pretraining rows, 3 steps; it resumes from step 2)."""
     killed = _run(*SIGKILL_ARGS, "--out-dir", tmp_path / "run")
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 600
@@ -239,6 +241,12 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines, uni
     assert killed.wait(60) == -signal.SIGKILL, "the run finished before it could be killed"
     resumed = _run(*SIGKILL_ARGS, "--out-dir", tmp_path / "run")
     out = resumed.communicate(timeout=600)[0]
+    if kill_after_lines == 3:
+        assert resumed.returncode != 0 and "holds a run's records but no usable checkpoint" in out, out[-3000:]
+        for name in ("config.json", "metrics.jsonl", "samples"):
+            shutil.rmtree(tmp_path / "run" / name) if name == "samples" else os.remove(tmp_path / "run" / name)
+        resumed = _run(*SIGKILL_ARGS, "--out-dir", tmp_path / "run")
+        out = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0, out
     assert "resuming at step" in out or kill_after_lines == 3
     assert rows(tmp_path / "run") == uninterrupted
