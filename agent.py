@@ -7,6 +7,8 @@ An environment works in text. One instance per episode (the class is called with
             ...
         def step(self, text: str) -> tuple[str | None, float, bool]:
             ...                                    # the model's turn -> (observation, reward, done); None only when done
+        def reseed(self, seed: int) -> None:       # optional: seed the environment's own randomness (called before reset)
+            ...
 
 The driver (`run_episodes`) owns every token. It keeps the ids the engine sampled (model text is decoded for the
 environment, never encoded back), and takes each observation's ids from the chat template as a delta: the template
@@ -210,7 +212,10 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
     (sampling.seed + e) * 1024 + c, so an episode's draws do not depend on the other episodes in the call, and a batch
     split over calls (data-parallel ranks) whose seeds are offset by their first episode gives the same episodes.
     Every turn gets sampling.max_new_tokens; a turn that would pass context_len is not started ("context"). The
-    environment's constructor, reset and step each run under `timeout` seconds (data.rewards.call_user; 0 = no limit)."""
+    environment's constructor, reset and step each run under `timeout` seconds (data.rewards.call_user; 0 = no limit).
+    An environment with randomness of its own defines reseed(seed): episode e calls it before reset with
+    (sampling.seed + e) * 1024 + 1023 (a seed no engine call of the episode uses), so its draws are reproducible and
+    independent of the batch's split, like the engine's."""
     if not 1 <= max_turns < _CALLS_PER_EPISODE // 2:  # turns and summaries must stay within the seed stride
         raise ValueError(f"run_episodes: max_turns must be in [1, {_CALLS_PER_EPISODE // 2}), got {max_turns}")
     N, name = sampling.max_new_tokens, f"environment {getattr(env_cls, '__name__', repr(env_cls))}"
@@ -233,6 +238,8 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             origin = row.get("where") or f"prompt {str(row.get('prompt'))[:60]!r}"
             where = f"episode {len(eps)} (row {i}: {origin}; sample {j})"
             env = user("()", env_cls, (), where)
+            if callable(getattr(env, "reseed", None)):
+                user(".reseed", env.reseed, (((sampling.seed + len(eps)) * _CALLS_PER_EPISODE + _CALLS_PER_EPISODE - 1) % 2**31,), where)
             first = user(".reset", env.reset, (copy.deepcopy(row),), where)
             if not isinstance(first, str) or not first:
                 raise RuntimeError(f"{name}.reset returned {first!r} on {where}; it must return the first user message "

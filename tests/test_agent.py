@@ -193,6 +193,33 @@ def test_episode_seeds_do_not_depend_on_the_batch_split(tmp_path):
         engine.generate(p, Sampling(max_new_tokens=6, n=2, seeds=(5, 6, 7)))
 
 
+class Dice:
+    """An environment with randomness of its own: each observation is a die roll from the seed reseed gave it."""
+
+    def reseed(self, seed):
+        import random
+
+        self.rng, self.seed = random.Random(seed), seed
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, text):
+        return f"rolled {self.rng.randint(1, 6)}", 0.0, False
+
+
+def test_environment_reseed_follows_the_episode_not_the_batch_split():
+    rows = [{"prompt": f"p{i}", "answer": "1"} for i in range(3)]
+    s = Sampling(max_new_tokens=4, n=2, seed=7, stop_token_ids=(EOS,))
+    play = lambda rows, s: agent.run_episodes(Scripted(["a"]), TOK, Dice, rows, s, max_turns=4, context_len=256)  # noqa: E731
+    whole = play(rows, s)
+    a, b = play(rows[:1], s), play(rows[1:], Sampling(**{**s.__dict__, "seed": 7 + 2}))
+    assert whole.messages == a.messages + b.messages  # episode e's rolls depend on seed + e only
+    rolls = [tuple(m["content"] for m in msgs[2::2]) for msgs in whole.messages]
+    assert len(set(rolls)) == len(rolls)  # six episodes, six different sequences of three rolls
+    assert rolls[0] == tuple(f"rolled {r}" for r in (lambda g: [g.randint(1, 6) for _ in range(3)])(__import__("random").Random(7 * 1024 + 1023)))
+
+
 def test_environment_output_is_checked():
     class Bad:
         def __init__(self, out):
