@@ -1,6 +1,6 @@
 """Can a critic learn the value of a frozen policy offline, given enough data? A supervised value-fit diagnostic.
 
-    1. sample --rollouts responses of the frozen policy on the task's train rows (temperature 1; a multi-turn task
+    1. sample --rollouts responses of the frozen policy on the task's train rows (--temperature, 1; a multi-turn task
        plays episodes with the trainer's own driver, agent.run_episodes);
     2. Monte Carlo targets: the row's reward (the episode return) on every model token, gamma = 1, what the
        trainer's GAE(lambda=1) returns are;
@@ -52,10 +52,10 @@ def answer_prefix_ids(tok, texts: list[str]) -> list[list[int]]:
     return [tok.encode(f"Reference answer: {t}\n", add_special_tokens=False) for t in texts]
 
 
-def sample(task, tok, model: str, rows, seed: int, max_turns: int = 0):
-    """(Rollout, Monte Carlo returns [B, T], mask [B, T]) of one sample per row at temperature 1."""
+def sample(task, tok, model: str, rows, seed: int, max_turns: int = 0, temperature: float = 1.0, max_new_tokens: int = 0):
+    """(Rollout, Monte Carlo returns [B, T], mask [B, T]) of one sample per row (max_new_tokens 0: the task's)."""
     engine = EmbeddedEngine(model, dtype="fp32")
-    s = Sampling(1.0, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=seed)
+    s = Sampling(temperature, max_new_tokens=max_new_tokens or task.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=seed)
     play = None
     if task.env is not None:
         from agent import run_episodes
@@ -147,6 +147,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--task", default="addition", help="addition, sort, or a .jsonl/.parquet file")
     ap.add_argument("--reward", default="", help="as train_ppo.py's --reward: '' (exact), 'math', 'file.py:fn'")
     ap.add_argument("--rollouts", type=int, default=1024, help="N: one sample per train row (rows repeat if N exceeds them)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="the frozen policy's sampling temperature")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="response budget; 0 = the task's")
     ap.add_argument("--holdout", type=float, default=1 / 8, help="fraction of the prompts held out")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64, help="rows per optimiser step")
@@ -159,7 +161,9 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     for bad, msg in ((args.rollouts < 2, "--rollouts must be >= 2"), (not 0 < args.holdout < 1, "--holdout must be in (0, 1)"),
                      (args.epochs < 1, "--epochs must be >= 1"), (args.batch < 1, "--batch must be >= 1"),
-                     (not args.lr > 0, "--lr must be > 0"), (args.ceiling and not os.path.isfile(args.ceiling), f"--ceiling {args.ceiling!r}: no such file")):
+                     (not args.lr > 0, "--lr must be > 0"),
+                     (not args.temperature > 0, "--temperature must be > 0"), (args.max_new_tokens < 0, "--max-new-tokens must be >= 0"),
+                     (args.ceiling and not os.path.isfile(args.ceiling), f"--ceiling {args.ceiling!r}: no such file")):
         if bad:
             ap.error(msg)
     ceiling = json.load(open(args.ceiling)) if args.ceiling else None
@@ -176,7 +180,7 @@ def main(argv=None) -> dict:
     tok = AutoTokenizer.from_pretrained(model)
     start = time.perf_counter()
     rows = task.train.select([i % len(task.train) for i in range(args.rollouts)])
-    ro, returns, mask = sample(task, tok, model, rows, args.seed)
+    ro, returns, mask = sample(task, tok, model, rows, args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     sampled = time.perf_counter() - start
     if args.critic_context == "answer":
         ro = dataclasses.replace(ro, prompt_ids=[a + p for a, p in zip(answer_prefix_ids(tok, [str(x) for x in rows["answer"]]), ro.prompt_ids)],
@@ -192,7 +196,7 @@ def main(argv=None) -> dict:
     hist = fit(critic, tb, returns, mask, fit_rows, held_rows, epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed, cfg=cfg)
     print(table(hist, ceiling))
     out = {"model": model, "task": task.name, "rollouts": len(rows), "fit_rows": len(fit_rows), "held_rows": len(held_rows),
-           "critic_context": args.critic_context, "lr": args.lr, "epochs": args.epochs, "batch": args.batch, "seed": args.seed,
+           "critic_context": args.critic_context, "temperature": args.temperature, "lr": args.lr, "epochs": args.epochs, "batch": args.batch, "seed": args.seed,
            "mean_return": mean_return, "seconds": round(time.perf_counter() - start, 1), "history": hist,
            "held": hist[-1]["held"], "fit": hist[-1]["fit"]}
     if ceiling and isinstance(ceiling.get("perfect"), (int, float)) and ceiling["perfect"] > 0:
