@@ -128,6 +128,10 @@ class Config:
     they stop earlier when explained variance plateaus); 0 = off."""
     freeze_critic_attention: bool = False
     """SAO's frozen-attention critic."""
+    critic_context: Literal["policy", "answer", "env"] = "policy"
+    """What the critic reads before each row's prompt, never shown to the policy (docs/critic.md): policy = nothing
+    more than the policy; answer = "Reference answer: {answer}\n"; env = the string the environment's optional
+    critic_context() returns after reset (multi-turn). Unbiased only if the critic also sees the history."""
     value_clip: float = 0.2
     """Value clipping epsilon; 0 = off."""
     value_scale: float = 0.5
@@ -210,6 +214,10 @@ def resolve(cfg: Config, world_size: int) -> dict:
         errors.append(f"--dual-clip must be > 1 (or 0 = off), got {cfg.dual_clip}")
     if not 0 < cfg.icepop_low < 1 < cfg.icepop_high:
         errors.append(f"the IcePop band must satisfy 0 < low < 1 < high, got [{cfg.icepop_low}, {cfg.icepop_high}]")
+    if cfg.critic_context != "policy" and cfg.algo != "ppo":
+        errors.append(f"--critic-context {cfg.critic_context} needs a critic: --algo {cfg.algo} has none")
+    if cfg.critic_context == "env" and not (cfg.env or cfg.task == "guess"):
+        errors.append("--critic-context env needs a multi-turn task (--env, or --task guess): its environment's critic_context()")
     if cfg.critic_pretrain < 0:
         errors.append(f"--critic-pretrain must be >= 0 (0 = off), got {cfg.critic_pretrain}")
     for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_size", "eval_samples"):
@@ -298,6 +306,16 @@ def resolve(cfg: Config, world_size: int) -> dict:
     return {"dp": dp, "n": n, "rows": rows, "prompts": rows // n, "critic_lr_used": cfg.critic_lr or 5 * cfg.lr}
 
 
+def check_critic_context(cfg: Config, task) -> None:
+    """--critic-context against the task: env needs an environment class with a critic_context method, answer a
+    non-empty answer on every train row (the critic's prefix)."""
+    if cfg.critic_context == "env" and not callable(getattr(task.env, "critic_context", None)):
+        raise ValueError(f"--critic-context env: the environment {getattr(task.env, '__name__', task.env)!r} has no critic_context() "
+                         "method (def critic_context(self) -> str, called after reset; agent.py)")
+    if cfg.critic_context == "answer" and (bad := [i for i, a in enumerate(task.train["answer"]) if not str(a).strip()]):
+        raise ValueError(f"--critic-context answer: {len(bad)} train rows have no answer (first: {task.train[bad[0]].get('where', bad[0])})")
+
+
 def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
     """What can be checked of the model folder and the data without loading weights; returns the tokenizer. (Whether
     the weights fill the architecture is checked as they load: decoder.load_pretrained.)"""
@@ -337,6 +355,7 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
         raise ValueError(f"--compact-at {cfg.compact_at} leaves no room for the summary request and the summary ({new} tokens) "
                          f"in the model's context of {mc.max_position_embeddings} tokens")
     check_lengths(task, tok, mc.max_position_embeddings, new, cfg.compact_at)  # every data row, naming the file row
+    check_critic_context(cfg, task)
     if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
         raise ValueError(f"{name} has no weights (no *.safetensors or *.bin file); save the model there with model.save_pretrained")
     index = os.path.join(path, "model.safetensors.index.json")  # a sharded folder: an interrupted copy lacks shards

@@ -44,7 +44,8 @@ from config import Config, check_model, resolve
 from data.rewards import load_reward
 from data.tasks import get_task
 from evaluation import evaluate, rollouts, scored
-from forward import check_finite, check_head, denominator, micro, minibatches, optimizer_step, response_logprobs, response_values
+from forward import (check_finite, check_head, context_ids, critic_batch, denominator, micro, minibatches, optimizer_step, response_logprobs,
+                     response_values)
 from parallel import PREEMPTION, Runtime, all_reduce, init_runtime, make_mesh, parallelize, print0
 from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights
 from runlog import (Metrics, RunLog, check_fresh_start, check_inputs, check_resume, input_fingerprints, latest_checkpoint, load_trainer_state,
@@ -227,6 +228,7 @@ class Batch(NamedTuple):
     out: Any  # the engine's Rollout, or agent.Episodes
     ro: Rollout  # the training rows (out.rollout for episodes)
     tb: TrainBatch  # the trainer's forward inputs
+    ctb: TrainBatch  # the critic's: tb itself, or with --critic-context its prefix before each prompt (forward.critic_batch)
     tokens: torch.Tensor  # [B, T] response tokens
     gen_mask: torch.Tensor  # [B, T] every model token (mismatch metrics); observations excluded
     mask: torch.Tensor  # [B, T] the model tokens of rows kept for training (every loss, whitening, denominator)
@@ -426,7 +428,10 @@ def score_batch(run: Run, engines: Engines, task, tok, rows, out, m: Metrics) ->
     # Real tokens one trainer pass over the batch computes (a shared prompt once per group): bench/ turns it into FLOPs.
     fed = tb.attention_mask.sum() - (tb.attention_mask[:, : tb.response_start].sum() * (run.group - 1) // run.group if run.share else 0)
     tb = tb.shared(run.group) if run.share else tb  # one forward of each prompt for its n samples
-    tb = type(tb)(*(x.to(dev) if torch.is_tensor(x) else x for x in tb))
+    on_dev = lambda b: type(b)(*(x.to(dev) if torch.is_tensor(x) else x for x in b))  # noqa: E731
+    tb = on_dev(tb)  # the critic's batch is the policy's, or with --critic-context the same rows behind its prefixes
+    ctb = tb if cfg.critic_context == "policy" else on_dev(critic_batch(ro, context_ids(cfg.critic_context, tok, rows, out, n), tok.pad_token_id,
+                                                                       run.group if run.share else 1))
     gen_mask = ro.mask.to(dev)
     keep_rows = rewarded
     if cfg.algo == "grpo":
@@ -437,7 +442,7 @@ def score_batch(run: Run, engines: Engines, task, tok, rows, out, m: Metrics) ->
         for k, v in extra.items():
             if k != "pred" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 m.add_ratio(f"reward/{k}", v, 1)
-    return Batch(out, ro, tb, ro.tokens.to(dev), gen_mask, gen_mask & keep_rows[:, None], ro.infer_logp.to(dev), scores.to(dev),
+    return Batch(out, ro, tb, ctb, ro.tokens.to(dev), gen_mask, gen_mask & keep_rows[:, None], ro.infer_logp.to(dev), scores.to(dev),
                  rewarded, keep_rows, token_rewards.to(dev), fed, engines.max_len, engines.width)
 
 
@@ -450,7 +455,7 @@ def recompute(run: Run, models: Models, batch: Batch, m: Metrics) -> Old:
         if batch.tb.routing is not None:  # MoE: how often the trainer's routers pick other experts than the engine's
             m.add(moe.batch_flips(models.policy, batch.tb, r, batch.gen_mask))
     ref_logp = torch.cat([response_logprobs(models.ref, batch.tb, r, batch.tokens, run.cfg)[0] for r in chunks]) if models.ref is not None else None
-    values = torch.cat([response_values(models.critic, batch.tb, r, run.cfg) for r in chunks]) if models.critic is not None else None
+    values = torch.cat([response_values(models.critic, batch.ctb, r, run.cfg) for r in chunks]) if models.critic is not None else None
     return Old(torch.cat(logp), ref_logp, values)
 
 
@@ -496,7 +501,7 @@ def update_critic(run: Run, models: Models, batch: Batch, old: Old, returns, ind
         for mb in minibatches(len(batch.tokens), cfg, index, 1000 + k, run.group):
             denom = denominator(mask[mb], batch.keep_rows[mb], cfg, batch.max_len, run.dp_group)
             for r in micro(mb, cfg, run.group):
-                loss, vm = losses.value_loss(response_values(models.critic, batch.tb, r, cfg), old.values[r], returns[r], mask[r], clip=clip,
+                loss, vm = losses.value_loss(response_values(models.critic, batch.ctb, r, cfg), old.values[r], returns[r], mask[r], clip=clip,
                                              scale=cfg.value_scale, agg=cfg.agg, num_tokens=denom)
                 loss.backward()
                 m.add(vm)

@@ -54,6 +54,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --critic-updates 2 \
   --critic-pretrain 100 \
   --no-freeze-critic-attention \
+  --critic-context policy \
   --value-clip 0.2 \
   --value-scale 0.5 \
   --max-grad-norm 1.0 \
