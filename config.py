@@ -70,8 +70,9 @@ class Config:
     accept_changed_inputs: bool = False
     """Resume although the data, reward or environment files (or the splits) differ from those the run recorded."""
     # algorithm
-    algo: Literal["ppo", "grpo"] = "ppo"
-    """ppo: critic + token-level GAE. grpo: group-relative advantages, no critic."""
+    algo: Literal["ppo", "grpo", "reinforce"] = "ppo"
+    """ppo: critic + token-level GAE. grpo: group-relative advantages, no critic. reinforce: no critic, the reward minus
+    the mean of the prompt's last --baseline-window rewards from earlier steps (SAO's control)."""
     correction: Literal["icepop", "tis", "geo", "dis", "none"] = "icepop"
     """Train-inference mismatch correction: IcePop token masking, truncated IS, geometric sequence mask, DIS loss, none."""
     icepop_low: float = 0.5
@@ -98,6 +99,9 @@ class Config:
     """Whiten PPO advantages over the global batch."""
     grpo_std: bool = True
     """GRPO: divide by the group std (False = Dr. GRPO)."""
+    baseline_window: int = 8
+    """reinforce: the baseline is the mean of this many latest rewards of the same prompt from earlier steps (a prompt
+    with none: the step's mean reward); its advantage sits on every model token, whitened with --whiten-advantages."""
     clip_low: float = 0.2
     """PPO clip epsilon below 1 (also DIS's band)."""
     clip_high: float = 0.28
@@ -110,7 +114,7 @@ class Config:
     rollout_batch: int = 64
     """Completions per step over all ranks."""
     n_samples: int = 0
-    """Samples per prompt; 0 = 1 for ppo (individual rollouts), 4 for grpo."""
+    """Samples per prompt; 0 = 1 for ppo and reinforce (individual rollouts), 4 for grpo."""
     ppo_epochs: int = 1
     """Passes over each batch."""
     minibatches: int = 1
@@ -218,6 +222,11 @@ def resolve(cfg: Config, world_size: int) -> dict:
         errors.append(f"--critic-context {cfg.critic_context} needs a critic: --algo {cfg.algo} has none")
     if cfg.critic_context == "env" and not (cfg.env or cfg.task == "guess"):
         errors.append("--critic-context env needs a multi-turn task (--env, or --task guess): its environment's critic_context()")
+    if cfg.baseline_window < 1:
+        errors.append(f"--baseline-window must be >= 1, got {cfg.baseline_window}")
+    if cfg.algo == "reinforce" and cfg.kl == "k1-reward":
+        errors.append("--kl k1-reward with --algo reinforce is refused: its advantage is the row's outcome reward minus a "
+                      "per-prompt mean, with no per-token rewards; use --kl k3-loss")
     if cfg.critic_pretrain < 0:
         errors.append(f"--critic-pretrain must be >= 0 (0 = off), got {cfg.critic_pretrain}")
     for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_size", "eval_samples"):

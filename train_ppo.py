@@ -50,8 +50,8 @@ from parallel import PREEMPTION, Runtime, all_reduce, init_runtime, make_mesh, p
 from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights
 from runlog import (Metrics, RunLog, check_fresh_start, check_inputs, check_resume, input_fingerprints, latest_checkpoint, load_trainer_state,
                     lock_run_dir, save_checkpoint, timed)
-from value_model import (PLATEAU_WINDOW, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic, load_policy,
-                         set_head_to_mean)
+from value_model import (PLATEAU_WINDOW, PromptBaseline, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic,
+                         load_policy, set_head_to_mean)
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -91,7 +91,7 @@ def train_step(run: Run, models: Models, engines: Engines, task, tok, *, index: 
     with timed(m, "recompute"), torch.no_grad():
         old = recompute(run, models, batch, m)
     with timed(m, "advantages"):
-        adv, returns = advantages(run, batch, old)
+        adv, returns = advantages(run, batch, old) if cfg.algo != "reinforce" else (reinforce_advantages(run, models, batch, task, index, m), None)
     with timed(m, "correction"):
         is_w, loss_mask = correction(run, batch, old, m)
     if models.critic is not None:
@@ -210,6 +210,7 @@ class Models:
     bad: dict  # consecutive skipped updates per model (check_finite)
     fresh_head: bool  # a new critic: its head is set to the mean reward of the first batch
     saved_at: int  # the step of the newest checkpoint
+    baseline: PromptBaseline | None = None  # --algo reinforce's per-prompt reward table (in the checkpoint)
 
 
 @dataclass(frozen=True)
@@ -324,9 +325,10 @@ def build_models(run: Run, model_path: str) -> Models:
         ref = moe.install(load_policy(model_path).to(rt.device).requires_grad_(False))
         ref = parallelize(ref, run.tp_mesh, run.fsdp).eval()
     models = Models(policy, critic, ref, opts, path, start=0, bad={k: 0 for k in opts}, fresh_head=critic is not None and not run.ckpt,
-                    saved_at=0)
+                    saved_at=0, baseline=PromptBaseline(cfg.baseline_window) if cfg.algo == "reinforce" else None)
     if run.ckpt:
         state = load_trainer_state(run.ckpt, rt.rank, rt.world_size, opts)
+        models.baseline = models.baseline and PromptBaseline(cfg.baseline_window, state["baseline"])
         models.start = models.saved_at = state["step"]
         models.bad = state["bad_steps"]
         for k, lr in (("policy", cfg.lr), ("critic", run.plan["critic_lr_used"])):  # a changed --lr / --critic-lr applies
@@ -371,7 +373,8 @@ def start_log(run: Run, models: Models, engines: Engines, task, tok, model_path:
 
 def save(run: Run, models: Models, tok, step: int) -> None:
     save_checkpoint(run.cfg.out_dir, step, run.rt.rank, run.rt.world_size, run.cfg.keep_checkpoints, policy=models.policy,
-                    critic=models.critic, tokenizer=tok, optimizers=models.opts, extra={"bad_steps": dict(models.bad), "tp": run.cfg.tp})
+                    critic=models.critic, tokenizer=tok, optimizers=models.opts, extra={"bad_steps": dict(models.bad), "tp": run.cfg.tp,
+                    **({"baseline": models.baseline.table} if models.baseline else {})})
     models.saved_at = step
 
 
@@ -474,6 +477,19 @@ def advantages(run: Run, batch: Batch, old: Old) -> tuple[torch.Tensor, torch.Te
     if cfg.whiten_advantages:  # the statistics all-reduced over dp ranks (whitening over the global batch)
         adv = losses.whiten(adv, mask, all_reduce(losses.whiten_stats(adv, mask), run.dp_group))
     return adv, returns
+
+
+def reinforce_advantages(run: Run, models: Models, batch: Batch, task, index: int, m: Metrics) -> torch.Tensor:
+    """--algo reinforce: each row's reward (episode return) minus its prompt's running mean (value_model.PromptBaseline;
+    prompt = its train row index, prompt_indices), on every kept model token; whitened like PPO's with --whiten-advantages."""
+    plan = run.plan
+    idx = prompt_indices(run.cfg.seed, len(task.train), index * plan["prompts"] * plan["dp"] + run.dp_rank * plan["prompts"], plan["prompts"])
+    sample = torch.tensor(batch.out.episode if isinstance(batch.out, Episodes) else range(len(batch.tokens)), device=batch.scores.device)
+    adv, had = models.baseline.advantages(torch.tensor(idx, device=sample.device)[sample // plan["n"]], sample, batch.scores, batch.rewarded,
+                                          plan["rows"], run.dp_rank, plan["dp"], run.dp_group)
+    m.add_ratio("reinforce/history_frac", had[batch.rewarded].sum(), batch.rewarded.sum())  # rows whose prompt had earlier rewards
+    adv = adv[:, None] * batch.mask
+    return losses.whiten(adv, batch.mask, all_reduce(losses.whiten_stats(adv, batch.mask), run.dp_group)) if run.cfg.whiten_advantages else adv
 
 
 def correction(run: Run, batch: Batch, old: Old, m: Metrics) -> tuple[torch.Tensor | None, torch.Tensor]:
