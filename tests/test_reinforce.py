@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import losses as L
-from conftest import read_metrics, small
+from conftest import read_metrics, small, torchrun, train_cli
 from config import Config, resolve
 from train_ppo import main
 from value_model import PromptBaseline
@@ -60,11 +60,15 @@ def test_config():
 PAIRS = [(12, 345), (999, 1), (500, 500), (7, 70), (123, 456), (31, 62), (250, 250), (808, 19), (111, 222), (321, 123)]
 
 
+def _files(tmp_path):
+    for name, pairs in (("train.jsonl", PAIRS[:8]), ("held.jsonl", PAIRS[8:])):
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": f"{a:03d}+{b:03d}", "answer": f"{a + b:04d}"}) + "\n" for a, b in pairs))
+
+
 def _cfg(tmp_path, out, steps):
     """8 train prompts (and 2 held out): a batch of 8 visits each once per step, so from step 2 on every prompt has
     history."""
-    for name, pairs in (("train.jsonl", PAIRS[:8]), ("held.jsonl", PAIRS[8:])):
-        (tmp_path / name).write_text("".join(json.dumps({"prompt": f"{a:03d}+{b:03d}", "answer": f"{a + b:04d}"}) + "\n" for a, b in pairs))
+    _files(tmp_path)
     return small(out, task=str(tmp_path / "train.jsonl"), eval_task=str(tmp_path / "held.jsonl"), algo="reinforce", steps=steps,
                  rollout_batch=8, save_every=2, deterministic=True, eval_size=2)
 
@@ -87,3 +91,20 @@ def test_short_run_and_resume_equal_uninterrupted(tmp_path):
     no_eval = lambda rs: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rs]  # noqa: E731
     run, ref_rows = read_metrics(tmp_path / "run", volatile=False), read_metrics(tmp_path / "ref", volatile=False)
     assert no_eval(run) == no_eval(ref_rows) and run[-1] == ref_rows[-1]
+
+
+@pytest.mark.torchrun
+def test_dp2_ranks_hold_the_one_process_table(tmp_path):
+    """3 steps with dp=2 (4 rows per rank): both ranks checkpoint the same table, the one a single process builds (the
+    rollouts do not depend on the split), and every step's history share and gradient norm match."""
+    _files(tmp_path)
+    args = ["train_ppo.py", "--task", tmp_path / "train.jsonl", "--eval-task", tmp_path / "held.jsonl", "--algo", "reinforce", "--steps", "3",
+            "--rollout-batch", "8", "--save-every", "3", "--eval-size", "2", "--eval-every", "100", "--critic-pretrain", "0"]
+    one, two = train_cli(*args[1:], "--out-dir", tmp_path / "one"), torchrun(2, *args, "--out-dir", tmp_path / "two")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-3000:] + two.stdout[-3000:] + two.stderr[-3000:]
+    table = lambda out, r: torch.load(out / "checkpoints" / "step_000003" / f"trainer_rank{r}.pt", weights_only=True)["baseline"]  # noqa: E731
+    assert table(tmp_path / "two", 0) == table(tmp_path / "two", 1) == table(tmp_path / "one", 0) and len(table(tmp_path / "one", 0)) == 8
+    a, b = (read_metrics(tmp_path / x) for x in ("one", "two"))
+    for ra, rb in zip(a[1:], b[1:]):
+        assert ra["reinforce/history_frac"] == rb["reinforce/history_frac"]
+        assert rb["ppo/grad_norm"] == pytest.approx(ra["ppo/grad_norm"], rel=1e-4)
