@@ -32,6 +32,16 @@ class SecretGuess(GuessEnv):
         return f"secret {self.secret}\n"
 
 
+class TaggedGuess(SecretGuess):
+    """Also a per-episode tag (from its reseed), so a prompt's episodes show the critic different strings."""
+
+    def reseed(self, seed):
+        self.tag = seed % 97
+
+    def critic_context(self):
+        return f"secret {self.secret} tag {self.tag}\n"
+
+
 def _rows(g, n: int = 2):
     """4 rows: 2 prompts (5 and 8 tokens) x n = 2 samples, responses of 6, 3, 4, 6 tokens, two rows with observation
     tokens (attended, not trained)."""
@@ -183,3 +193,31 @@ def test_answer_run_leaves_the_policy_untouched(tmp_path, monkeypatch):
     assert ab.ctb.response_start > ab.tb.response_start
     assert "Reference answer: " in TOK.decode(ab.ctb.input_ids[0]) and "Reference answer" not in TOK.decode(ab.tb.input_ids[0])
     assert seen["answer"][1][2] > 0  # after one critic update the values vary: the plain-forward check had teeth
+
+
+@pytest.mark.e2e
+def test_env_run_shows_each_episode_its_string(tmp_path, monkeypatch, tiny_model_dir):
+    """A PPO step on guess with --critic-context env and 2 samples per prompt whose episodes tell the critic different
+    strings: the policy's batch shares each prompt, the critic's falls back to one row per sample; every critic row
+    is its episode's string + prompt + response, the policy's rows never hold it, and the values equal a plain forward."""
+    seen = []
+    recompute = train_ppo.recompute
+
+    def spy(run, models, batch, m):
+        old = recompute(run, models, batch, m)
+        ep, ro = batch.out, batch.ro
+        prefixes = [TOK(ep.critic_context[e], add_special_tokens=False).input_ids for e in ep.episode]
+        for b in range(len(ro.tokens)):
+            real = batch.ctb.input_ids[b][batch.ctb.attention_mask[b].bool()].tolist()
+            assert real == prefixes[b] + ro.prompt_ids[b] + ro.tokens[b][ro.attend[b]].tolist()
+        assert "tag" not in TOK.decode(batch.tb.input_ids.flatten())
+        torch.testing.assert_close(old.values[ro.mask], _plain_values(models.critic, ro, prefixes)[ro.mask], rtol=1e-5, atol=1e-5)
+        seen.append(batch)
+        return old
+
+    monkeypatch.setattr(train_ppo, "recompute", spy)
+    env = f"{os.path.abspath(__file__)}:TaggedGuess"
+    hist = train_ppo.main(small(tmp_path, model=tiny_model_dir, task="guess", env=env, critic_context="env", steps=1, n_samples=2,
+                                rollout_batch=8, eval_size=2, max_turns=2))
+    assert hist[-1]["step"] == 1 and len(seen) == 1
+    assert seen[0].tb.group == 2 and seen[0].ctb.group == 1
