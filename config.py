@@ -100,8 +100,8 @@ class Config:
     grpo_std: bool = True
     """GRPO: divide by the group std (False = Dr. GRPO)."""
     baseline_window: int = 8
-    """reinforce: the baseline is the mean of this many latest rewards of the same prompt from earlier steps (a prompt
-    with none: the step's mean reward); its advantage sits on every model token, whitened with --whiten-advantages."""
+    """reinforce: the baseline is the mean of this many latest rewards of the same prompt from earlier steps, or the
+    step's mean reward for a prompt without any; the advantage sits on every model token (whitened as PPO's)."""
     clip_low: float = 0.2
     """PPO clip epsilon below 1 (also DIS's band)."""
     clip_high: float = 0.28
@@ -134,7 +134,7 @@ class Config:
     """SAO's frozen-attention critic."""
     critic_context: Literal["policy", "answer", "env"] = "policy"
     """What the critic reads before each row's prompt, never shown to the policy (docs/critic.md): policy = nothing
-    more than the policy; answer = "Reference answer: {answer}\n"; env = the string the environment's optional
+    more than the policy; answer = "Reference answer: {answer}\\n"; env = the string the environment's optional
     critic_context() returns after reset (multi-turn). Unbiased only if the critic also sees the history."""
     value_clip: float = 0.2
     """Value clipping epsilon; 0 = off."""
