@@ -9,6 +9,8 @@ An environment works in text. One instance per episode (the class is called with
             ...                                    # the model's turn -> (observation, reward, done); None only when done
         def reseed(self, seed: int) -> None:       # optional: seed the environment's own randomness (called before reset)
             ...
+        def critic_context(self) -> str:           # optional: what --critic-context env shows the critic only (called
+            ...                                    # once, right after reset): its hidden state, never the policy's input
 
 The driver (`run_episodes`) owns every token. It keeps the ids the engine sampled (model text is decoded for the
 environment, never encoded back), and takes each observation's ids from the chat template as a delta: the template
@@ -23,8 +25,8 @@ turn hits --max-new-tokens without its stop token ("turn_length"), or when the n
 fit in the context ("context"; an observation too long for the context left is not appended, nor encoded when its
 length in characters already rules it out, and a warning names the environment, episode and turn).
 
-The environment's code (its constructor, reset and step) runs through data.rewards.call_user: in a worker thread,
-each call limited to --user-timeout seconds; reset gets a copy of its row. A hang, an exception or a sys.exit stops
+The environment's code (its constructor, reseed, reset, critic_context and step) runs through data.rewards.call_user:
+in a worker thread, each call limited to --user-timeout seconds; reset gets a copy of its row. A hang, an exception or a sys.exit stops
 the run with an error naming the class, the method, the episode (its row's "where" column, or its prompt) and the turn.
 
 Context compaction (GLM-5.2): once a row's context would pass `compact_at` tokens, the next user message is the
@@ -156,6 +158,7 @@ class _Episode:
     ret: float = 0.0
     finish: str = ""
     summarising: bool = False
+    hidden: str | None = None  # what env.critic_context() returned after reset
 
 
 @dataclass
@@ -179,6 +182,9 @@ class Episodes:
     messages: list[list[dict]]
     """Per episode: the conversation as chat messages (for samples files); a compaction shows as the summary request
     and the summary."""
+    critic_context: list[str | None] = field(default_factory=list)
+    """Per episode: what its environment's critic_context() returned right after reset (None: it has no such method);
+    --critic-context env puts it before every row of the episode, in the critic's input only."""
 
 
 def _check_step(out, env, turn: str, text: str):
@@ -215,7 +221,8 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
     environment's constructor, reset and step each run under `timeout` seconds (data.rewards.call_user; 0 = no limit).
     An environment with randomness of its own defines reseed(seed): episode e calls it before reset with
     (sampling.seed + e) * 1024 + 1023 (a seed no engine call of the episode uses), so its draws are reproducible and
-    independent of the batch's split, like the engine's."""
+    independent of the batch's split, like the engine's. An environment's critic_context(), if defined, is called once
+    right after reset (Episodes.critic_context)."""
     if not 1 <= max_turns < _CALLS_PER_EPISODE // 2:  # turns and summaries must stay within the seed stride
         raise ValueError(f"run_episodes: max_turns must be in [1, {_CALLS_PER_EPISODE // 2}), got {max_turns}")
     N, name = sampling.max_new_tokens, f"environment {getattr(env_cls, '__name__', repr(env_cls))}"
@@ -244,13 +251,16 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             if not isinstance(first, str) or not first:
                 raise RuntimeError(f"{name}.reset returned {first!r} on {where}; it must return the first user message "
                                    "(a non-empty str)")
+            hidden = user(".critic_context", env.critic_context, (), where) if callable(getattr(env, "critic_context", None)) else None
+            if hidden is not None and not isinstance(hidden, str):
+                raise RuntimeError(f"{name}.critic_context returned {hidden!r} on {where}; it must return a str")
             room = context_len - N
             prompt = [] if len(first) > room * _longest_token(tok) else render(first_prompt_ids, first, where=where)
             if not prompt or len(prompt) > room:
                 raise ValueError(f"run_episodes: the first message of {name}.reset on {where} is "
                                  f"{f'{len(prompt)} tokens' if prompt else f'{len(first)} characters'}; with --max-new-tokens "
                                  f"{N} it does not fit in the context ({context_len})")
-            eps.append(_Episode(len(eps), env, first, where, [_Row(prompt)], [{"role": "user", "content": first}]))
+            eps.append(_Episode(len(eps), env, first, where, [_Row(prompt)], [{"role": "user", "content": first}], hidden=hidden))
     request = lambda e: getattr(e.env, "summary_request", SUMMARY_REQUEST)  # noqa: E731
     while True:
         live = []
@@ -320,7 +330,7 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
     for b, r in enumerate(rows):
         rewards[b, : len(r.rewards)] = torch.tensor(r.rewards)
     return Episodes(ro, rewards, torch.tensor([e.ret for e in eps]), [k for k, _ in out], [e.turns for e in eps],
-                    [e.finish for e in eps], [e.messages for e in eps])
+                    [e.finish for e in eps], [e.messages for e in eps], [e.hidden for e in eps])
 
 
 def episode_metrics(ep: Episodes) -> dict[str, float]:

@@ -70,8 +70,9 @@ class Config:
     accept_changed_inputs: bool = False
     """Resume although the data, reward or environment files (or the splits) differ from those the run recorded."""
     # algorithm
-    algo: Literal["ppo", "grpo"] = "ppo"
-    """ppo: critic + token-level GAE. grpo: group-relative advantages, no critic."""
+    algo: Literal["ppo", "grpo", "reinforce"] = "ppo"
+    """ppo: critic + token-level GAE. grpo: group-relative advantages, no critic. reinforce: no critic, the reward minus
+    the mean of the prompt's last --baseline-window rewards from earlier steps (SAO's control)."""
     correction: Literal["icepop", "tis", "geo", "dis", "none"] = "icepop"
     """Train-inference mismatch correction: IcePop token masking, truncated IS, geometric sequence mask, DIS loss, none."""
     icepop_low: float = 0.5
@@ -98,6 +99,9 @@ class Config:
     """Whiten PPO advantages over the global batch."""
     grpo_std: bool = True
     """GRPO: divide by the group std (False = Dr. GRPO)."""
+    baseline_window: int = 8
+    """reinforce: the baseline is the mean of this many latest rewards of the same prompt from earlier steps, or the
+    step's mean reward for a prompt without any; the advantage sits on every model token (whitened as PPO's)."""
     clip_low: float = 0.2
     """PPO clip epsilon below 1 (also DIS's band)."""
     clip_high: float = 0.28
@@ -110,7 +114,7 @@ class Config:
     rollout_batch: int = 64
     """Completions per step over all ranks."""
     n_samples: int = 0
-    """Samples per prompt; 0 = 1 for ppo (individual rollouts), 4 for grpo."""
+    """Samples per prompt; 0 = 1 for ppo and reinforce (individual rollouts), 4 for grpo."""
     ppo_epochs: int = 1
     """Passes over each batch."""
     minibatches: int = 1
@@ -128,6 +132,10 @@ class Config:
     they stop earlier when explained variance plateaus); 0 = off."""
     freeze_critic_attention: bool = False
     """SAO's frozen-attention critic."""
+    critic_context: Literal["policy", "answer", "env"] = "policy"
+    """What the critic reads before each row's prompt, never shown to the policy (docs/critic.md): policy = nothing
+    more than the policy; answer = "Reference answer: {answer}\\n"; env = the string the environment's optional
+    critic_context() returns after reset (multi-turn). Unbiased only if the critic also sees the history."""
     value_clip: float = 0.2
     """Value clipping epsilon; 0 = off."""
     value_scale: float = 0.5
@@ -210,6 +218,15 @@ def resolve(cfg: Config, world_size: int) -> dict:
         errors.append(f"--dual-clip must be > 1 (or 0 = off), got {cfg.dual_clip}")
     if not 0 < cfg.icepop_low < 1 < cfg.icepop_high:
         errors.append(f"the IcePop band must satisfy 0 < low < 1 < high, got [{cfg.icepop_low}, {cfg.icepop_high}]")
+    if cfg.critic_context != "policy" and cfg.algo != "ppo":
+        errors.append(f"--critic-context {cfg.critic_context} needs a critic: --algo {cfg.algo} has none")
+    if cfg.critic_context == "env" and not (cfg.env or cfg.task == "guess"):
+        errors.append("--critic-context env needs a multi-turn task (--env, or --task guess): its environment's critic_context()")
+    if cfg.baseline_window < 1:
+        errors.append(f"--baseline-window must be >= 1, got {cfg.baseline_window}")
+    if cfg.algo == "reinforce" and cfg.kl == "k1-reward":
+        errors.append("--kl k1-reward with --algo reinforce is refused: its advantage is the row's outcome reward minus a "
+                      "per-prompt mean, with no per-token rewards; use --kl k3-loss")
     if cfg.critic_pretrain < 0:
         errors.append(f"--critic-pretrain must be >= 0 (0 = off), got {cfg.critic_pretrain}")
     for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_size", "eval_samples"):
@@ -298,6 +315,16 @@ def resolve(cfg: Config, world_size: int) -> dict:
     return {"dp": dp, "n": n, "rows": rows, "prompts": rows // n, "critic_lr_used": cfg.critic_lr or 5 * cfg.lr}
 
 
+def check_critic_context(cfg: Config, task) -> None:
+    """--critic-context against the task: env needs an environment class with a critic_context method, answer a
+    non-empty answer on every train row (the critic's prefix)."""
+    if cfg.critic_context == "env" and not callable(getattr(task.env, "critic_context", None)):
+        raise ValueError(f"--critic-context env: the environment {getattr(task.env, '__name__', task.env)!r} has no critic_context() "
+                         "method (def critic_context(self) -> str, called after reset; agent.py)")
+    if cfg.critic_context == "answer" and (bad := [i for i, a in enumerate(task.train["answer"]) if not str(a).strip()]):
+        raise ValueError(f"--critic-context answer: {len(bad)} train rows have no answer (first: {task.train[bad[0]].get('where', bad[0])})")
+
+
 def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
     """What can be checked of the model folder and the data without loading weights; returns the tokenizer. (Whether
     the weights fill the architecture is checked as they load: decoder.load_pretrained.)"""
@@ -337,6 +364,7 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
         raise ValueError(f"--compact-at {cfg.compact_at} leaves no room for the summary request and the summary ({new} tokens) "
                          f"in the model's context of {mc.max_position_embeddings} tokens")
     check_lengths(task, tok, mc.max_position_embeddings, new, cfg.compact_at)  # every data row, naming the file row
+    check_critic_context(cfg, task)
     if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
         raise ValueError(f"{name} has no weights (no *.safetensors or *.bin file); save the model there with model.save_pretrained")
     index = os.path.join(path, "model.safetensors.index.json")  # a sharded folder: an interrupted copy lacks shards

@@ -3,6 +3,7 @@ the optimiser step over them (the global loss denominator, the gradient sum over
 
     logp, entropy = response_logprobs(policy, tb, rows, tokens, cfg, entropy=True)   # [b, T] each, response tokens only
     values = response_values(critic, tb, rows, cfg)                                  # [b, T], V before each response token
+    ctb = critic_batch(ro, context_ids("answer", tok, task_rows, out, n), pad_id, n)  # --critic-context: the critic's own batch
 
 The policy's log-probs never materialise [b, L, V] logits: the LM head is swapped for a stand-in inside the model's own
 forward (where FSDP gathers the weights) that keeps only the response columns and runs losses.head_logprobs on them.
@@ -11,6 +12,7 @@ forward (where FSDP gathers the weights) that keeps only the response columns an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,8 @@ import losses
 import moe
 from config import Config
 from parallel import all_reduce, all_reduce_grads, clip_grad_norm_
-from rollout import TrainBatch
+from agent import Episodes
+from rollout import Rollout, TrainBatch
 from runlog import latest_checkpoint
 from value_model import critic_values
 
@@ -91,6 +94,40 @@ def response_values(critic, b: TrainBatch, rows, cfg: Config):
     """Values [b, T] float32: V of the state before each response token (the columns of response_logprobs)."""
     with torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16"):
         return critic_values(critic, **sequences(b, rows))[:, b.keep].reshape(len(rows), -1)
+
+
+# --critic-context answer: the text before the prompt in the critic's input (bench/value_fit.py uses it too)
+ANSWER_CONTEXT = "Reference answer: {}\n"
+
+
+def context_ids(kind: str, tok, task_rows, out, n: int) -> list[list[int]]:
+    """The critic-only prefix of each training row, token ids (add_special_tokens=False). kind "answer":
+    ANSWER_CONTEXT with the reference answer of the row's task row (rows are task row b // n; with episodes, the row's
+    episode // n); "env": the string its episode's environment returned from critic_context() (agent.Episodes), the
+    same on every row of a compacted episode."""
+    episode = out.episode if isinstance(out, Episodes) else range(len(out.tokens))
+    if kind == "answer":
+        texts = [ANSWER_CONTEXT.format(task_rows[e // n]["answer"]) for e in episode]
+    elif kind == "env":
+        if not isinstance(out, Episodes) or any(out.critic_context[e] is None for e in episode):
+            raise ValueError("--critic-context env: the environment gave no critic_context() string (it needs the method)")
+        texts = [out.critic_context[e] for e in episode]
+    else:
+        raise ValueError(f"context_ids: unknown kind {kind!r} (answer or env)")
+    return [tok(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def critic_batch(ro: Rollout, prefixes: list[list[int]], pad_id: int, n: int = 1) -> TrainBatch:
+    """The critic's TrainBatch under --critic-context: row b's prompt is prefixes[b] + its prompt, the response block
+    as in ro.to_batch (the same T columns, so response_values reads V before each response token exactly as on the
+    policy's batch; only P grows). n > 1: each group of n rows shares one sequence (TrainBatch.shared) when the group's
+    prefixes agree (answer: one prompt, one answer); otherwise (env: each episode its own string) per-row sequences,
+    which give the same values. MoE routing is dropped (the critic never replays it)."""
+    if len(prefixes) != len(ro.prompt_ids):
+        raise ValueError(f"critic_batch: {len(prefixes)} prefixes for {len(ro.prompt_ids)} rows")
+    tb = dataclasses.replace(ro, prompt_ids=[list(c) + list(p) for c, p in zip(prefixes, ro.prompt_ids)], routing=None).to_batch(pad_id)
+    same = all(prefixes[b] == prefixes[b - b % n] for b in range(len(prefixes)))
+    return tb.shared(n) if n > 1 and same else tb
 
 
 def check_head(model) -> None:

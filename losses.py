@@ -263,6 +263,21 @@ def grpo_advantages(scores: Tensor, group_size: int, norm_std: bool = True, eps:
     return (adv * (n >= 2)).view(-1)
 
 
+def running_mean_advantages(rewards: Tensor, past: Tensor, past_count: Tensor, batch_mean: Tensor) -> Tensor:
+    """REINFORCE with a running-mean per-prompt baseline (the control of the SAO paper): A_i = R_i - b_i, where b_i is
+    the mean of the earlier rewards of row i's prompt, or batch_mean where its prompt has none.
+
+    rewards: [N] each row's reward (its episode's return); past: [N, W] the prompt's last W earlier rewards, right-padded
+    (entries at or after past_count are ignored); past_count: [N] long in [0, W]; batch_mean: 0-d, the fallback (the
+    step's mean reward over the global batch). Returns [N] float32; the caller puts it on every kept model token."""
+    if past.dim() != 2 or past.size(0) != rewards.numel() or past_count.shape != rewards.shape:
+        raise ValueError(f"running_mean_advantages: past {tuple(past.shape)} and past_count {tuple(past_count.shape)} do not "
+                         f"match rewards {tuple(rewards.shape)}")
+    used = torch.arange(past.size(1), device=past.device) < past_count[:, None]
+    baseline = torch.where(past_count > 0, (past.double() * used).sum(-1) / past_count.clamp_min(1), batch_mean.double())
+    return (rewards.double() - baseline).float()
+
+
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman 2020).
 

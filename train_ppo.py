@@ -44,13 +44,14 @@ from config import Config, check_model, resolve
 from data.rewards import load_reward
 from data.tasks import get_task
 from evaluation import evaluate, rollouts, scored
-from forward import check_finite, check_head, denominator, micro, minibatches, optimizer_step, response_logprobs, response_values
+from forward import (check_finite, check_head, context_ids, critic_batch, denominator, micro, minibatches, optimizer_step, response_logprobs,
+                     response_values)
 from parallel import PREEMPTION, Runtime, all_reduce, init_runtime, make_mesh, parallelize, print0
 from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights
 from runlog import (Metrics, RunLog, check_fresh_start, check_inputs, check_resume, input_fingerprints, latest_checkpoint, load_trainer_state,
                     lock_run_dir, save_checkpoint, timed)
-from value_model import (PLATEAU_WINDOW, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic, load_policy,
-                         set_head_to_mean)
+from value_model import (PLATEAU_WINDOW, PromptBaseline, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic,
+                         load_policy, set_head_to_mean)
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,7 +91,7 @@ def train_step(run: Run, models: Models, engines: Engines, task, tok, *, index: 
     with timed(m, "recompute"), torch.no_grad():
         old = recompute(run, models, batch, m)
     with timed(m, "advantages"):
-        adv, returns = advantages(run, batch, old)
+        adv, returns = advantages(run, batch, old) if cfg.algo != "reinforce" else (reinforce_advantages(run, models, batch, task, index, m), None)
     with timed(m, "correction"):
         is_w, loss_mask = correction(run, batch, old, m)
     if models.critic is not None:
@@ -209,6 +210,7 @@ class Models:
     bad: dict  # consecutive skipped updates per model (check_finite)
     fresh_head: bool  # a new critic: its head is set to the mean reward of the first batch
     saved_at: int  # the step of the newest checkpoint
+    baseline: PromptBaseline | None = None  # --algo reinforce's per-prompt reward table (in the checkpoint)
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,7 @@ class Batch(NamedTuple):
     out: Any  # the engine's Rollout, or agent.Episodes
     ro: Rollout  # the training rows (out.rollout for episodes)
     tb: TrainBatch  # the trainer's forward inputs
+    ctb: TrainBatch  # the critic's: tb itself, or with --critic-context its prefix before each prompt (forward.critic_batch)
     tokens: torch.Tensor  # [B, T] response tokens
     gen_mask: torch.Tensor  # [B, T] every model token (mismatch metrics); observations excluded
     mask: torch.Tensor  # [B, T] the model tokens of rows kept for training (every loss, whitening, denominator)
@@ -322,9 +325,10 @@ def build_models(run: Run, model_path: str) -> Models:
         ref = moe.install(load_policy(model_path).to(rt.device).requires_grad_(False))
         ref = parallelize(ref, run.tp_mesh, run.fsdp).eval()
     models = Models(policy, critic, ref, opts, path, start=0, bad={k: 0 for k in opts}, fresh_head=critic is not None and not run.ckpt,
-                    saved_at=0)
+                    saved_at=0, baseline=PromptBaseline(cfg.baseline_window) if cfg.algo == "reinforce" else None)
     if run.ckpt:
         state = load_trainer_state(run.ckpt, rt.rank, rt.world_size, opts)
+        models.baseline = models.baseline and PromptBaseline(cfg.baseline_window, state["baseline"])
         models.start = models.saved_at = state["step"]
         models.bad = state["bad_steps"]
         for k, lr in (("policy", cfg.lr), ("critic", run.plan["critic_lr_used"])):  # a changed --lr / --critic-lr applies
@@ -369,7 +373,8 @@ def start_log(run: Run, models: Models, engines: Engines, task, tok, model_path:
 
 def save(run: Run, models: Models, tok, step: int) -> None:
     save_checkpoint(run.cfg.out_dir, step, run.rt.rank, run.rt.world_size, run.cfg.keep_checkpoints, policy=models.policy,
-                    critic=models.critic, tokenizer=tok, optimizers=models.opts, extra={"bad_steps": dict(models.bad), "tp": run.cfg.tp})
+                    critic=models.critic, tokenizer=tok, optimizers=models.opts, extra={"bad_steps": dict(models.bad), "tp": run.cfg.tp,
+                    **({"baseline": models.baseline.table} if models.baseline else {})})
     models.saved_at = step
 
 
@@ -426,7 +431,10 @@ def score_batch(run: Run, engines: Engines, task, tok, rows, out, m: Metrics) ->
     # Real tokens one trainer pass over the batch computes (a shared prompt once per group): bench/ turns it into FLOPs.
     fed = tb.attention_mask.sum() - (tb.attention_mask[:, : tb.response_start].sum() * (run.group - 1) // run.group if run.share else 0)
     tb = tb.shared(run.group) if run.share else tb  # one forward of each prompt for its n samples
-    tb = type(tb)(*(x.to(dev) if torch.is_tensor(x) else x for x in tb))
+    on_dev = lambda b: type(b)(*(x.to(dev) if torch.is_tensor(x) else x for x in b))  # noqa: E731
+    tb = on_dev(tb)  # the critic's batch is the policy's, or with --critic-context the same rows behind its prefixes
+    ctb = tb if cfg.critic_context == "policy" else on_dev(critic_batch(ro, context_ids(cfg.critic_context, tok, rows, out, n), tok.pad_token_id,
+                                                                       run.group if run.share else 1))
     gen_mask = ro.mask.to(dev)
     keep_rows = rewarded
     if cfg.algo == "grpo":
@@ -437,7 +445,7 @@ def score_batch(run: Run, engines: Engines, task, tok, rows, out, m: Metrics) ->
         for k, v in extra.items():
             if k != "pred" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 m.add_ratio(f"reward/{k}", v, 1)
-    return Batch(out, ro, tb, ro.tokens.to(dev), gen_mask, gen_mask & keep_rows[:, None], ro.infer_logp.to(dev), scores.to(dev),
+    return Batch(out, ro, tb, ctb, ro.tokens.to(dev), gen_mask, gen_mask & keep_rows[:, None], ro.infer_logp.to(dev), scores.to(dev),
                  rewarded, keep_rows, token_rewards.to(dev), fed, engines.max_len, engines.width)
 
 
@@ -450,7 +458,7 @@ def recompute(run: Run, models: Models, batch: Batch, m: Metrics) -> Old:
         if batch.tb.routing is not None:  # MoE: how often the trainer's routers pick other experts than the engine's
             m.add(moe.batch_flips(models.policy, batch.tb, r, batch.gen_mask))
     ref_logp = torch.cat([response_logprobs(models.ref, batch.tb, r, batch.tokens, run.cfg)[0] for r in chunks]) if models.ref is not None else None
-    values = torch.cat([response_values(models.critic, batch.tb, r, run.cfg) for r in chunks]) if models.critic is not None else None
+    values = torch.cat([response_values(models.critic, batch.ctb, r, run.cfg) for r in chunks]) if models.critic is not None else None
     return Old(torch.cat(logp), ref_logp, values)
 
 
@@ -469,6 +477,19 @@ def advantages(run: Run, batch: Batch, old: Old) -> tuple[torch.Tensor, torch.Te
     if cfg.whiten_advantages:  # the statistics all-reduced over dp ranks (whitening over the global batch)
         adv = losses.whiten(adv, mask, all_reduce(losses.whiten_stats(adv, mask), run.dp_group))
     return adv, returns
+
+
+def reinforce_advantages(run: Run, models: Models, batch: Batch, task, index: int, m: Metrics) -> torch.Tensor:
+    """--algo reinforce: each row's reward (episode return) minus its prompt's running mean (value_model.PromptBaseline;
+    prompt = its train row index, prompt_indices), on every kept model token; whitened like PPO's with --whiten-advantages."""
+    plan = run.plan
+    idx = prompt_indices(run.cfg.seed, len(task.train), index * plan["prompts"] * plan["dp"] + run.dp_rank * plan["prompts"], plan["prompts"])
+    sample = torch.tensor(batch.out.episode if isinstance(batch.out, Episodes) else range(len(batch.tokens)), device=batch.scores.device)
+    adv, had = models.baseline.advantages(torch.tensor(idx, device=sample.device)[sample // plan["n"]], sample, batch.scores, batch.rewarded,
+                                          plan["rows"], run.dp_rank, plan["dp"], run.dp_group)
+    m.add_ratio("reinforce/history_frac", had[batch.rewarded].sum(), batch.rewarded.sum())  # rows whose prompt had earlier rewards
+    adv = adv[:, None] * batch.mask
+    return losses.whiten(adv, batch.mask, all_reduce(losses.whiten_stats(adv, batch.mask), run.dp_group)) if run.cfg.whiten_advantages else adv
 
 
 def correction(run: Run, batch: Batch, old: Old, m: Metrics) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -496,7 +517,7 @@ def update_critic(run: Run, models: Models, batch: Batch, old: Old, returns, ind
         for mb in minibatches(len(batch.tokens), cfg, index, 1000 + k, run.group):
             denom = denominator(mask[mb], batch.keep_rows[mb], cfg, batch.max_len, run.dp_group)
             for r in micro(mb, cfg, run.group):
-                loss, vm = losses.value_loss(response_values(models.critic, batch.tb, r, cfg), old.values[r], returns[r], mask[r], clip=clip,
+                loss, vm = losses.value_loss(response_values(models.critic, batch.ctb, r, cfg), old.values[r], returns[r], mask[r], clip=clip,
                                              scale=cfg.value_scale, agg=cfg.agg, num_tokens=denom)
                 loss.backward()
                 m.add(vm)

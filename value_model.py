@@ -1,4 +1,5 @@
-"""The critic: the policy's backbone with a fresh scalar head; and load_policy, the policy's (and reference's) load.
+"""The critic: the policy's backbone with a fresh scalar head; load_policy, the policy's (and reference's) load; and
+PromptBaseline, the critic-free running-mean baseline of --algo reinforce.
 
 It is a stock Hugging Face ``AutoModelForTokenClassification`` with ``num_labels=1``: ``.model`` is the
 backbone (the same module names as the policy's, so parallel.py's TP plan covers it) and ``.score`` is a
@@ -20,7 +21,9 @@ from torch import Tensor, nn
 from transformers import (MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
                           PreTrainedModel)
 
+import losses
 from decoder import load_pretrained
+from parallel import all_reduce
 
 
 def load_policy(path: str, what: str = "--model") -> PreTrainedModel:
@@ -104,3 +107,44 @@ def critic_values(critic: PreTrainedModel, input_ids: Tensor, attention_mask: Te
     whose last token is i. Align with logits: the value of the state before response token t sits at the
     same position as the logits that predict it."""
     return critic(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits[..., 0].float()
+
+
+class PromptBaseline:
+    """--algo reinforce's baseline table (the SAO paper's running-mean control): per prompt (its train row index), the
+    last `window` rewards it got in earlier steps, oldest first. Every dp rank holds the same table (`advantages` adds
+    all ranks' pairs), and it goes into the checkpoint: PromptBaseline(window, saved.table) resumes it exactly."""
+
+    def __init__(self, window: int, table: dict | None = None):
+        self.window = window
+        self.table = {int(p): [float(r) for r in rs][-window:] for p, rs in (table or {}).items()}
+
+    def lookup(self, prompts: list[int]) -> tuple[Tensor, Tensor]:
+        """(past [N, window] float64, right-padded with 0; count [N] long): each prompt's rewards so far."""
+        past, count = torch.zeros(len(prompts), self.window, dtype=torch.float64), torch.zeros(len(prompts), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            h = self.table.get(int(p), [])
+            past[i, : len(h)], count[i] = torch.tensor(h, dtype=torch.float64), len(h)
+        return past, count
+
+    def update(self, prompts: list[int], rewards: list[float]) -> None:
+        """Append each (prompt, reward) in order; a prompt keeps its last `window`."""
+        for p, r in zip(prompts, rewards):
+            self.table[int(p)] = (self.table.get(int(p), []) + [float(r)])[-self.window :]
+
+    def advantages(self, prompts: Tensor, sample: Tensor, rewards: Tensor, valid: Tensor, samples: int, rank: int = 0, ranks: int = 1,
+                   group=None) -> tuple[Tensor, Tensor]:
+        """One step of this dp rank's B rows: (advantages [B] float32, 0 on rows without a reward; had history [B] bool).
+        Row b is sample sample[b] in [0, samples) of this rank (the rows of a compacted episode share it), of prompt
+        prompts[b], with reward rewards[b] (multi-turn: its episode's return) if valid[b]. The baseline is read before
+        this step's rewards join the table, so a reward is never in its own baseline; a prompt without history gets the
+        mean reward of the global batch's samples. Then the (prompt, reward) pairs of every rank, one per sample in the
+        global batch's order (rank by rank), are all-reduced over `group` and appended (losses.running_mean_advantages)."""
+        pairs = torch.zeros(ranks, samples, 3, dtype=torch.float64, device=rewards.device)
+        pairs[rank, sample] = torch.stack([prompts.to(pairs), rewards.to(pairs), valid.to(pairs)], -1)  # an episode's rows agree
+        pairs = all_reduce(pairs, group).view(-1, 3)
+        ok = pairs[:, 2] > 0
+        mean = pairs[ok, 1].mean() if ok.any() else pairs.new_zeros(())
+        past, count = self.lookup(prompts.tolist())
+        adv = losses.running_mean_advantages(rewards, past.to(rewards.device), count.to(rewards.device), mean) * valid
+        self.update(pairs[ok, 0].long().tolist(), pairs[ok, 1].tolist())
+        return adv, count.to(rewards.device) > 0

@@ -12,8 +12,9 @@
        EV (fit >> held-out: over-fitting; both ~0: the critic cannot learn the value from this data).
 
 With --ceiling, the last epoch is printed beside bench/value_ceiling.py's perfect and prompt-only ceilings
-(its --out JSON) and the ratio fit / perfect. --critic-context answer puts the reference answer before the
-prompt in the critic's input only (the policy's rollouts are unchanged). Seeds: --seed drives sampling, the
+(its --out JSON) and the ratio fit / perfect. --critic-context answer (env) puts the reference answer (the
+environment's critic_context() string) before the prompt in the critic's input only, with the trainer's own prefix
+code (forward.context_ids, critic_batch); the policy's rollouts are unchanged. Seeds: --seed drives sampling, the
 split, the head-free init and the minibatch order; the same command prints the same figures.
 
     .venv/bin/python bench/value_fit.py                                    # default tiny addition model
@@ -25,7 +26,6 @@ split, the head-free init and the minibatch order; the same command prints the s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -42,18 +42,14 @@ from config import Config  # noqa: E402
 from data.rewards import load_reward  # noqa: E402
 from data.tasks import get_task  # noqa: E402
 from evaluation import rollouts, scored  # noqa: E402
-from forward import micro, response_values  # noqa: E402
+from forward import context_ids, critic_batch, micro, response_values  # noqa: E402
 from rollout import EmbeddedEngine, Sampling  # noqa: E402
 from value_model import build_critic, set_head_to_mean  # noqa: E402
 
 
-def answer_prefix_ids(tok, texts: list[str]) -> list[list[int]]:
-    """The critic-only prefix of --critic-context answer: the reference answer, before the prompt's tokens."""
-    return [tok.encode(f"Reference answer: {t}\n", add_special_tokens=False) for t in texts]
-
-
 def sample(task, tok, model: str, rows, seed: int, max_turns: int = 0, temperature: float = 1.0, max_new_tokens: int = 0):
-    """(Rollout, Monte Carlo returns [B, T], mask [B, T]) of one sample per row (max_new_tokens 0: the task's)."""
+    """(Rollout or agent.Episodes, its Rollout, Monte Carlo returns [B, T], mask [B, T]) of one sample per row
+    (max_new_tokens 0: the task's)."""
     engine = EmbeddedEngine(model, dtype="fp32")
     s = Sampling(temperature, max_new_tokens=max_new_tokens or task.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=seed)
     play = None
@@ -70,7 +66,7 @@ def sample(task, tok, model: str, rows, seed: int, max_turns: int = 0, temperatu
     else:
         r, ok = sc.rewards.float(), sc.rewarded
     mask = ro.mask & ok[:, None]  # a row without a reward teaches nothing
-    return ro, r[:, None].expand_as(mask).clone(), mask
+    return out, ro, r[:, None].expand_as(mask).clone(), mask
 
 
 @torch.no_grad()
@@ -153,8 +149,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64, help="rows per optimiser step")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--critic-context", choices=("policy", "answer"), default="policy",
-                    help="policy: the critic reads the policy's tokens; answer: the reference answer is prefixed")
+    ap.add_argument("--critic-context", choices=("policy", "answer", "env"), default="policy",
+                    help="as train_ppo.py's: policy = the policy's tokens; answer = the reference answer prefixed; env = the "
+                         "environment's critic_context() string prefixed (multi-turn)")
     ap.add_argument("--ceiling", default="", help="bench/value_ceiling.py --out JSON to print beside the fit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="also write the figures as JSON here")
@@ -170,6 +167,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(args.seed)
     task = get_task(args.task, reward_fn=load_reward(args.reward) if args.reward else None)
+    if args.critic_context == "env" and not callable(getattr(task.env, "critic_context", None)):
+        ap.error(f"--critic-context env: --task {args.task} has no environment with a critic_context() method")
     model = args.model
     if not model:
         from data.tiny import default_model
@@ -180,12 +179,12 @@ def main(argv=None) -> dict:
     tok = AutoTokenizer.from_pretrained(model)
     start = time.perf_counter()
     rows = task.train.select([i % len(task.train) for i in range(args.rollouts)])
-    ro, returns, mask = sample(task, tok, model, rows, args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    out, ro, returns, mask = sample(task, tok, model, rows, args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     sampled = time.perf_counter() - start
-    if args.critic_context == "answer":
-        ro = dataclasses.replace(ro, prompt_ids=[a + p for a, p in zip(answer_prefix_ids(tok, [str(x) for x in rows["answer"]]), ro.prompt_ids)],
-                                 routing=None)
-    tb = ro.to_batch(tok.pad_token_id)
+    if args.critic_context == "policy":
+        tb = ro.to_batch(tok.pad_token_id)
+    else:  # the trainer's critic-only prefixes (forward.context_ids), one sample per row
+        tb = critic_batch(ro, context_ids(args.critic_context, tok, rows, out, 1), tok.pad_token_id)
     fit_rows, held_rows = split(rows["prompt"], args.holdout, args.seed)
     cfg = Config()
     critic = build_critic(model, dtype=torch.float32)

@@ -40,6 +40,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --adaptive-lambda 0.0 \
   --whiten-advantages \
   --grpo-std \
+  --baseline-window 8 \
   --clip-low 0.2 \
   --clip-high 0.28 \
   --dual-clip 0.0 \
@@ -54,6 +55,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --critic-updates 2 \
   --critic-pretrain 100 \
   --no-freeze-critic-attention \
+  --critic-context policy \
   --value-clip 0.2 \
   --value-scale 0.5 \
   --max-grad-norm 1.0 \
