@@ -23,6 +23,8 @@ from parallel import SUPPORTED_MODELS, check_tp
 from rollout import Sampling
 from runlog import safetensors_problem
 
+VINE_MAX_K = 8192  # vine's seeds give each multi-turn state 2^22 / max turns continuations (vine.py)
+
 
 @dataclass
 class Config:
@@ -70,8 +72,9 @@ class Config:
     accept_changed_inputs: bool = False
     """Resume although the data, reward or environment files (or the splits) differ from those the run recorded."""
     # algorithm
-    algo: Literal["ppo", "grpo"] = "ppo"
-    """ppo: critic + token-level GAE. grpo: group-relative advantages, no critic."""
+    algo: Literal["ppo", "grpo", "vine"] = "ppo"
+    """ppo: critic + token-level GAE. grpo: group-relative advantages, no critic. vine: Monte Carlo values from
+    --vine-k continuations per state (VinePPO), no critic."""
     correction: Literal["icepop", "tis", "geo", "dis", "none"] = "icepop"
     """Train-inference mismatch correction: IcePop token masking, truncated IS, geometric sequence mask, DIS loss, none."""
     icepop_low: float = 0.5
@@ -96,6 +99,10 @@ class Config:
     """> 0: length-adaptive policy lambda = 1 - 1/(alpha L) with this alpha (VAPO 0.05)."""
     whiten_advantages: bool = True
     """Whiten PPO advantages over the global batch."""
+    vine_k: int = 4
+    """vine: continuations sampled from each state; V(s) is their mean reward."""
+    vine_every: int = 1
+    """vine: a state every this many response tokens (1 = before every token)."""
     grpo_std: bool = True
     """GRPO: divide by the group std (False = Dr. GRPO)."""
     clip_low: float = 0.2
@@ -199,6 +206,17 @@ def resolve(cfg: Config, world_size: int) -> dict:
     n = cfg.n_samples or (4 if cfg.algo == "grpo" else 1)
     if cfg.algo == "grpo" and n < 2:
         errors.append("--algo grpo needs --n-samples >= 2 (a group of one has no baseline)")
+    if cfg.algo == "vine":
+        if not 1 <= cfg.vine_k <= VINE_MAX_K or cfg.vine_every < 1:
+            errors.append(f"--vine-k must be in [1, {VINE_MAX_K}] and --vine-every >= 1, got {cfg.vine_k} and {cfg.vine_every}")
+        if cfg.gamma != 1:
+            errors.append(f"--algo vine takes --gamma 1 (its values are undiscounted mean rewards), got {cfg.gamma}")
+        if cfg.kl == "k1-reward":
+            errors.append("--kl k1-reward with --algo vine is refused: the Monte Carlo values would have to include the KL "
+                          "penalty of every continuation token; use --kl k3-loss (a loss term) or --algo ppo")
+        if cfg.compact_at:
+            errors.append("--compact-at with --algo vine is not supported (a continuation would have to replay compaction); "
+                          "leave --compact-at 0")
     if cfg.rollout_batch % (n * dp):
         errors.append(f"--rollout-batch {cfg.rollout_batch} must split into groups of {n} samples over {dp} data-parallel ranks")
     rows = cfg.rollout_batch // dp

@@ -212,6 +212,34 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float 
         return adv, (adv + values) * m
 
 
+def vine_advantages(values: Tensor, states: Tensor, rewards: Tensor, mask: Tensor) -> Tensor:
+    """Monte Carlo advantages over chunks (VinePPO, Kazemnejad et al. 2024, arXiv 2410.01679), gamma = 1.
+
+    The states t_0 < t_1 < ... of a row (``states`` True) cut it into chunks [t_j, t_{j+1}), the last one running to the
+    row's end, where the state is terminal (V = 0). Every token of chunk j gets
+    A = r(chunk j) + V(s_{t_{j+1}}) - V(s_{t_j}), r(chunk) = the sum of ``rewards`` on the chunk's valid tokens. With a
+    state at every valid token this is GAE with lambda = 0 (one-step TD errors); with one state at the first token it is
+    R - V(s_0). Tokens before a row's first state (no baseline) get 0.
+
+    values: [B, T] V(s_t) = the expected sum of rewards from token t on (read where ``states``); states: [B, T] bool,
+    True at valid tokens only; rewards: [B, T] (ignored on masked positions). Returns [B, T] float32, 0 on masked
+    positions, no grad.
+    """
+    _check(mask, values=values, states=states, rewards=rewards)
+    assert not (states & ~mask).any(), "vine_advantages: a state must sit on a valid token"
+    with torch.no_grad():
+        B, T = mask.shape
+        cols = torch.arange(T, device=mask.device).expand(B, T)
+        togo = (rewards.float() * mask).flip(-1).cumsum(-1).flip(-1)  # G_t: the rewards of columns t .. T-1
+        # D_t = G_t - V_t at the states, 0 at the end: A over chunk [a, b) = (G_a - G_b) + V_b - V_a = D_a - D_b.
+        d = torch.cat([torch.where(states, togo - values.float(), 0.0), torch.zeros(B, 1, device=mask.device)], -1)
+        cur = torch.where(states, cols, -1).cummax(-1).values  # the state at or before t (-1: none)
+        nxt = torch.where(states, cols, T).flip(-1).cummin(-1).values.flip(-1)  # the state at or after t
+        nxt = torch.cat([nxt[:, 1:], torch.full((B, 1), T, device=mask.device)], -1)  # strictly after t (T: the end)
+        adv = d.gather(-1, cur.clamp_min(0)) - d.gather(-1, nxt)
+        return torch.where(mask & (cur >= 0), adv, 0.0)
+
+
 def last_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
     """Outcome rewards [B] placed on each row's last valid token of mask [B, T]: [B, T] float32, 0 elsewhere (a row
     without a valid token gets nothing). The last valid token, not column lengths - 1: a multi-turn row has holes

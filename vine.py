@@ -1,0 +1,99 @@
+"""Monte Carlo values (VinePPO: Kazemnejad et al. 2024, "VinePPO: Unlocking RL Potential For LLM Reasoning Through
+Refined Credit Assignment", arXiv 2410.01679): `--algo vine`, and bench/value_ceiling.py's oracle.
+
+    from vine import mc_values
+    v = mc_values(engine, tok, task, rows, ro, sampling, k=4, every=1)   # v.values, v.states [B, T]; v.extra_tokens
+
+A state is a row's context before response column t (prompt + response[:t]). From each chosen state the rollout engine
+samples K continuations with the run's sampling settings, each scored with the task's reward exactly as the batch is
+(the prefix and the continuation decoded together); V(s) is their mean reward, the expected sum of rewards from t on
+(gamma = 1). The state after the last token is terminal: V = 0, and the row's reward sits on its last token, so the
+last chunk's advantage is R - V (losses.vine_advantages). States: columns 0, M, 2M, ... of each response
+(M = --vine-every; 1 = every token).
+
+A continuation without a reward (the reward returned None) leaves its state's mean; a state none of whose K
+continuations is rewarded is no state (its tokens join the previous chunk; before a row's first state the advantage
+is 0).
+
+Seeds: continuation i of state j of the rollout row seeded q draws from 2^31 + (q S + j K + i) mod 2^31, with
+S = K x the most states a row can have (continuation_seed). Every other seed of the project (rollouts, evaluation,
+multi-turn calls) is below 2^31, and the embedded engine's generators keep a seed's low 32 bits (torch's mt19937), so
+vine's seeds live in [2^31, 2^32): continuations never replay the rollout's own draws (a continuation from state 0
+seeded like its row would be the row itself); they are distinct within a run while its rows x S stay below 2^31; and
+the same step gives the same values whatever the split over data-parallel ranks (rollout row seeds are consecutive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+import losses
+from data.rewards import reward_columns, score
+from rollout import Rollout, Sampling
+
+VINE_SEED_BASE = 2**31  # above every other seed of the project (all are reduced mod 2^31), below 2^32
+
+
+class Values(NamedTuple):
+    """Monte Carlo values of a batch's rows."""
+
+    values: Tensor  # [B, T] float32: V(s_t), the mean reward of the continuations from before column t (where states)
+    states: Tensor  # [B, T] bool: the columns whose state has a value
+    extra_tokens: int  # model tokens the continuations generated
+
+
+def continuation_seed(row_seed: int, state: int, i: int, k: int, states: int) -> int:
+    """The seed of continuation i (of k) from state number `state` (of at most `states`) of the rollout row seeded
+    `row_seed`: in [2^31, 2^32), distinct for consecutive row seeds while rows x states x k < 2^31."""
+    assert 0 <= i < k and 0 <= state < states, (state, i, states, k)
+    return VINE_SEED_BASE + (row_seed * states * k + state * k + i) % 2**31
+
+
+@torch.no_grad()
+def mc_values(engine, tok, task, rows, ro: Rollout, sampling: Sampling, *, k: int, every: int) -> Values:
+    """Single-turn: V(s_t) at columns t = 0, every, 2 every, ... of each response of `ro` (the rollout of `rows`, a
+    datasets.Dataset of task rows, with sampling.n samples each, generated with `sampling`), from k continuations per
+    state. One engine call per column: the states at column t share the budget max_new_tokens - t."""
+    if k < 1 or every < 1:
+        raise ValueError(f"vine: --vine-k and --vine-every must be >= 1, got {k} and {every}")
+    B, T = ro.mask.shape
+    resp = [t[m].tolist() for t, m in zip(ro.tokens, ro.mask)]
+    columns = reward_columns(rows, sampling.n)  # per rollout row
+    values, states, extra = torch.zeros(B, T), torch.zeros(B, T, dtype=torch.bool), 0
+    most = -(-sampling.max_new_tokens // every)  # states a row can have
+    for t in range(0, T, every):
+        live = [b for b in range(B) if len(resp[b]) > t]
+        j = t // every
+        seeds = tuple(continuation_seed(sampling.row_seed(b), j, i, k, most) for b in live for i in range(k))
+        s = replace(sampling, max_new_tokens=sampling.max_new_tokens - t, n=k, seeds=seeds)
+        cont = engine.generate([ro.prompt_ids[b] + resp[b][:t] for b in live], s)
+        extra += int(cont.mask.sum())
+        owner = [b for b in live for _ in range(k)]
+        texts = tok.batch_decode([resp[b][:t] + c[m].tolist() for b, c, m in zip(owner, cont.tokens, cont.mask)], skip_special_tokens=True)
+        sc = score(task, texts, {key: [col[b] for b in owner] for key, col in columns.items()})
+        ok = sc.rewarded.view(-1, k)
+        values[live, t] = (sc.rewards.view(-1, k) * ok).sum(-1) / ok.sum(-1).clamp_min(1)
+        states[live, t] = ok.any(-1)
+    return Values(values, states, extra)
+
+
+def token_values(v: Values, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(per token the value of its chunk's state [B, T], the valid tokens that have one [B, T] bool): the values a
+    critic's would be compared with."""
+    B, T = mask.shape
+    cur = torch.where(v.states.to(mask.device), torch.arange(T, device=mask.device), -1).cummax(-1).values
+    return v.values.to(mask.device).gather(-1, cur.clamp_min(0)), mask & (cur >= 0)
+
+
+def metrics(v: Values, rewards: Tensor, mask: Tensor, width: int) -> dict[str, Tensor]:
+    """vine/explained_variance and vine/ev_pos_*: the explained variance of the Monte Carlo values (token_values)
+    against the returns to go (gamma = 1) over `mask`'s tokens, the figures a critic logs as critic/*."""
+    values, has = token_values(v, mask)
+    returns = (rewards.float() * mask).flip(-1).cumsum(-1).flip(-1)
+    by_pos = losses.explained_variance_by_position(values, returns, has, width)
+    return {"vine/explained_variance": losses.explained_variance(values, returns, has),
+            **{k.replace("critic/", "vine/"): x for k, x in by_pos.items()}}
