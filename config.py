@@ -23,8 +23,6 @@ from parallel import SUPPORTED_MODELS, check_tp
 from rollout import Sampling
 from runlog import safetensors_problem
 
-VINE_MAX_K = 8192  # vine's seeds give each multi-turn state 2^22 / max turns continuations (vine.py)
-
 
 @dataclass
 class Config:
@@ -207,8 +205,11 @@ def resolve(cfg: Config, world_size: int) -> dict:
     if cfg.algo == "grpo" and n < 2:
         errors.append("--algo grpo needs --n-samples >= 2 (a group of one has no baseline)")
     if cfg.algo == "vine":
-        if not 1 <= cfg.vine_k <= VINE_MAX_K or cfg.vine_every < 1:
-            errors.append(f"--vine-k must be in [1, {VINE_MAX_K}] and --vine-every >= 1, got {cfg.vine_k} and {cfg.vine_every}")
+        if cfg.vine_k < 1 or cfg.vine_every < 1:
+            errors.append(f"--vine-k and --vine-every must be >= 1, got {cfg.vine_k} and {cfg.vine_every}")
+        if cfg.vine_every != 1 and (cfg.env or cfg.task == "guess"):
+            errors.append(f"--vine-every {cfg.vine_every} with a multi-turn task: its states are the starts of the model turns "
+                          "(states inside a turn are not implemented); leave --vine-every 1")
         if cfg.gamma != 1:
             errors.append(f"--algo vine takes --gamma 1 (its values are undiscounted mean rewards), got {cfg.gamma}")
         if cfg.kl == "k1-reward":
@@ -348,6 +349,10 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
         raise ValueError(f"{name}: the tokenizer needs an EOS token and a chat template (responses stop at EOS; prompts are chat turns)")
     if tok.pad_token_id is None:  # many base models ship none (Llama 3); every forward masks padding out, so EOS serves
         tok.pad_token = tok.eos_token
+    if cfg.algo == "vine" and task.env is not None and not callable(getattr(task.env, "reseed", None)):
+        raise ValueError(f"--algo vine: the environment {task.env.__name__} has no reseed(seed) method. A continuation plays "
+                         "on a copy of the environment and must draw its own randomness afresh: define reseed (a no-op "
+                         "if the environment has no randomness of its own)")
     new = cfg.max_new_tokens or task.max_new_tokens
     if new >= mc.max_position_embeddings:
         raise ValueError(f"--max-new-tokens {new} leaves no room for a prompt in the model's context of {mc.max_position_embeddings} tokens")

@@ -13,13 +13,14 @@ critic, then train_step and finish_step per step. train_step calls the phases in
 each device's memory during each (colocated: the phases take turns):
 
     phase                                engine (weights + KV cache)   policy / critic / optimiser states
-    rollout_phase                        awake, generating             resident, idle
+    rollout_phase (and vine_phase)       awake, generating             resident, idle
     score_batch ... correction           asleep (released)             forward activations (no grad)
     update_critic, update_policy         asleep                        activations + gradients
     sync_weights                         wake, then full weights pushed bucket by bucket, cache flushed
     finish_step (metrics / eval / ckpt)  awake (eval generates)        resident
 
-The order sleep -> train -> wake -> sync is written once: rollout_phase sleeps the engine, sync_weights wakes it.
+The order sleep -> train -> wake -> sync is written once: rollout_phase (--algo vine: vine_phase) sleeps the engine,
+sync_weights wakes it.
 """
 
 from __future__ import annotations
@@ -348,7 +349,7 @@ def build_engines(run: Run, models: Models, task, tok) -> Engines:
     if task.env is None:
         return Engines(engine, eval_engine, sampling, None, sampling.max_new_tokens, sampling.max_new_tokens)
     turns, context = cfg.max_turns or task.max_turns, models.policy.config.max_position_embeddings
-    play = lambda eng, rows, s: run_episodes(eng, tok, task.env, rows, s, max_turns=turns, context_len=context, compact_at=cfg.compact_at, timeout=task.user_timeout)  # noqa: E731
+    play = lambda eng, rows, s, **vine: run_episodes(eng, tok, task.env, rows, s, max_turns=turns, context_len=context, compact_at=cfg.compact_at, timeout=task.user_timeout, **vine)  # noqa: E731
     return Engines(engine, eval_engine, sampling, play, (turns + 1) * sampling.max_new_tokens, context)
 
 
@@ -404,7 +405,8 @@ def rollout_phase(run: Run, engines: Engines, task, tok, index: int):
     rows = task.train.select(prompt_indices(cfg.seed, len(task.train), first, plan["prompts"]))
     out = None
     if engines.rollout is not None:
-        out = rollouts(engines.rollout, tok, rows, rollout_sampling(run, engines, index), engines.play)
+        play = functools.partial(engines.play, snapshots=True) if engines.play and cfg.algo == "vine" else engines.play
+        out = rollouts(engines.rollout, tok, rows, rollout_sampling(run, engines, index), play)
         if cfg.algo != "vine":
             engines.rollout.sleep()
     return rows, tp_share(out, run.tp_mesh)
@@ -417,7 +419,7 @@ def vine_phase(run: Run, engines: Engines, task, tok, rows, out, index: int, m: 
     with timed(m, "vine"):
         if engines.rollout is not None:
             mc = vine.mc_values(engines.rollout, tok, task, rows, out, rollout_sampling(run, engines, index), k=run.cfg.vine_k,
-                                every=run.cfg.vine_every)
+                                every=run.cfg.vine_every, play=engines.play)
             engines.rollout.sleep()
         mc = tp_share(mc, run.tp_mesh)
     m.add({"vine/extra_tokens": mc.extra_tokens * run.plan["dp"]})  # the mean over ranks, times dp: the sum over dp

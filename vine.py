@@ -3,20 +3,24 @@ Refined Credit Assignment", arXiv 2410.01679): `--algo vine`, and bench/value_ce
 
     from vine import mc_values
     v = mc_values(engine, tok, task, rows, ro, sampling, k=4, every=1)   # v.values, v.states [B, T]; v.extra_tokens
+    adv = losses.vine_advantages(v.values, v.states, token_rewards, mask)
 
 A state is a row's context before response column t (prompt + response[:t]). From each chosen state the rollout engine
-samples K continuations with the run's sampling settings, each scored with the task's reward exactly as the batch is
-(the prefix and the continuation decoded together); V(s) is their mean reward, the expected sum of rewards from t on
-(gamma = 1). The state after the last token is terminal: V = 0, and the row's reward sits on its last token, so the
-last chunk's advantage is R - V (losses.vine_advantages). States: columns 0, M, 2M, ... of each response
-(M = --vine-every; 1 = every token).
+samples K continuations with the run's sampling settings; V(s) is their mean reward to go, the expected sum of rewards
+from t on (gamma = 1). The state after the last token is terminal: V = 0, and the row's reward sits on its last token,
+so the last chunk's advantage is R - V (losses.vine_advantages). States:
+- single-turn: columns 0, M, 2M, ... of each response (M = --vine-every; 1 = every token); a continuation is scored
+  with the task's reward exactly as the batch is (the prefix and the continuation decoded together);
+- multi-turn: the start of each model turn; a continuation plays the rest of the episode (agent.run_episodes with
+  starts=) from a deep copy of the environment at the state, reseeded, so its own randomness is drawn afresh; V is
+  the mean of the continuations' returns less the rewards collected before the state.
 
 A continuation without a reward (the reward returned None) leaves its state's mean; a state none of whose K
 continuations is rewarded is no state (its tokens join the previous chunk; before a row's first state the advantage
 is 0).
 
 Seeds: continuation i of state j of the rollout row seeded q draws from 2^31 + (q S + j K + i) mod 2^31, with
-S = K x the most states a row can have (continuation_seed). Every other seed of the project (rollouts, evaluation,
+S = K x the most states a row can have (continuation_seed; multi-turn: episode_seed). Every other seed of the project (rollouts, evaluation,
 multi-turn calls) is below 2^31, and the embedded engine's generators keep a seed's low 32 bits (torch's mt19937), so
 vine's seeds live in [2^31, 2^32): continuations never replay the rollout's own draws (a continuation from state 0
 seeded like its row would be the row itself); they are distinct within a run while its rows x S stay below 2^31; and
@@ -25,6 +29,7 @@ the same step gives the same values whatever the split over data-parallel ranks 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -33,9 +38,11 @@ from torch import Tensor
 
 import losses
 from data.rewards import reward_columns, score
-from rollout import Rollout, Sampling
+from agent import _CALLS_PER_EPISODE as CALLS_PER_EPISODE, Episodes
+from rollout import Sampling
 
 VINE_SEED_BASE = 2**31  # above every other seed of the project (all are reduced mod 2^31), below 2^32
+MAX_TURN_STATES = 512  # agent.run_episodes takes max_turns < 512: the states of an episode
 
 
 class Values(NamedTuple):
@@ -53,13 +60,30 @@ def continuation_seed(row_seed: int, state: int, i: int, k: int, states: int) ->
     return VINE_SEED_BASE + (row_seed * states * k + state * k + i) % 2**31
 
 
+def episode_seed(episode: int, turn: int, i: int, k: int) -> int:
+    """The seed of continuation i (of k) from the start of turn `turn` of the episode seeded `episode` (its
+    Sampling.row_seed): its engine call c draws from this + c, its environment's reseed gets this + 1023 (agent.Start).
+    In [2^31, 2^32); distinct for consecutive episode seeds while episodes x 512 x k < 2^21."""
+    assert 0 <= i < k and 0 <= turn < MAX_TURN_STATES, (turn, i, k)
+    return VINE_SEED_BASE + ((episode * MAX_TURN_STATES + turn) * k + i) * CALLS_PER_EPISODE % 2**31
+
+
 @torch.no_grad()
-def mc_values(engine, tok, task, rows, ro: Rollout, sampling: Sampling, *, k: int, every: int) -> Values:
-    """Single-turn: V(s_t) at columns t = 0, every, 2 every, ... of each response of `ro` (the rollout of `rows`, a
-    datasets.Dataset of task rows, with sampling.n samples each, generated with `sampling`), from k continuations per
-    state. One engine call per column: the states at column t share the budget max_new_tokens - t."""
+def mc_values(engine, tok, task, rows, out, sampling: Sampling, *, k: int, every: int = 1, play=None) -> Values:
+    """V(s) of every row of `out`, the rollout of `rows` (a datasets.Dataset of task rows, sampling.n samples each)
+    generated with `sampling`, from k continuations per state.
+
+    Single-turn (out a Rollout): states at columns t = 0, every, 2 every, ... of each response; one engine call per
+    column (its states share the budget max_new_tokens - t). Multi-turn (out the agent.Episodes that
+    play(engine, rows, sampling, snapshots=True) returned): states at the start of each model turn; every
+    continuation plays the rest of the episode from a deep copy of the environment there, reseeded (agent.Start), all
+    in one play(engine, [], sampling, starts=...) call. V is the mean of the continuations' returns less the rewards
+    collected before the state."""
     if k < 1 or every < 1:
         raise ValueError(f"vine: --vine-k and --vine-every must be >= 1, got {k} and {every}")
+    if play is not None:
+        return _episode_values(engine, play, out, sampling, k, every)
+    ro = out
     B, T = ro.mask.shape
     resp = [t[m].tolist() for t, m in zip(ro.tokens, ro.mask)]
     columns = reward_columns(rows, sampling.n)  # per rollout row
@@ -79,6 +103,21 @@ def mc_values(engine, tok, task, rows, ro: Rollout, sampling: Sampling, *, k: in
         values[live, t] = (sc.rewards.view(-1, k) * ok).sum(-1) / ok.sum(-1).clamp_min(1)
         states[live, t] = ok.any(-1)
     return Values(values, states, extra)
+
+
+def _episode_values(engine, play, ep: Episodes, sampling: Sampling, k: int, every: int) -> Values:
+    if every != 1:
+        raise ValueError(f"vine: --vine-every {every} with a multi-turn task: its states are the starts of the model turns")
+    if len(ep.starts) != len(ep.turns):
+        raise ValueError("vine: the episodes were played without snapshots (run_episodes(snapshots=True))")
+    plan = [(b, st) for b, e in enumerate(ep.episode) for st in ep.starts[e]]  # one row per episode (no compaction)
+    starts = [replace(st, env=copy.deepcopy(st.env), seed=episode_seed(sampling.row_seed(ep.episode[b]), st.turns, i, k))
+              for b, st in plan for i in range(k)]
+    cont = play(engine, [], sampling, starts=starts)
+    values, states = torch.zeros(ep.rollout.mask.shape), torch.zeros(ep.rollout.mask.shape, dtype=torch.bool)
+    for (b, st), ret in zip(plan, cont.returns.view(-1, k).mean(-1).tolist()):
+        values[b, len(st.tokens)], states[b, len(st.tokens)] = ret - st.ret, True
+    return Values(values, states, int(cont.rollout.mask.sum()) - sum(sum(st.model) for st in starts))
 
 
 def token_values(v: Values, mask: Tensor) -> tuple[Tensor, Tensor]:

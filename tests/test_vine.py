@@ -119,3 +119,86 @@ def test_algo_vine_trains_two_steps(tmp_path):
     for r in rl:  # addition's 5-token answers, every token a state: 2 x (5 + 4 + 3 + 2 + 1) continuation tokens per row
         assert r["vine/extra_tokens"] > 0 and r["vine/extra_token_ratio"] > 1 and r["time/vine"] > 0
         assert 0 < r["vine/explained_variance"] <= 1 and "vine/ev_pos_0" in r
+
+
+# ----------------------------------------------------------------------------- multi-turn
+
+
+class Rolls:
+    """Three turns, ended by the environment itself (so a continuation finds the copy's turn count): reward 1 for the
+    text "y"; each observation is a die roll from the environment's own generator, which reseed sets."""
+
+    def reseed(self, seed):
+        import random
+
+        self.rng = random.Random(seed)
+
+    def reset(self, row):
+        self.t = 0
+        return row["prompt"]
+
+    def step(self, text):
+        self.t += 1
+        return (None if self.t == 3 else f"roll {self.rng.randint(1, 6)}"), float(text == "y"), self.t == 3
+
+
+class Episodic:
+    """A fake engine: a rollout episode (seed < 2^31) answers "y" on its first turn, then "n"; continuation i of 4
+    (vine's seeds: i = (seed - 2^31) // 1024 mod 4) answers "y" on every turn if i < 2, else "n"."""
+
+    def generate(self, prompt_ids, s):
+        outs = []
+        for r in range(len(prompt_ids)):
+            seed, turn = s.row_seed(r), TOK.decode(prompt_ids[r]).count("<|im_start|>assistant") - 1
+            y = (seed - 2**31) // 1024 % 4 < 2 if seed >= 2**31 else turn == 0
+            outs.append(ids("y" if y else "n") + [EOS])
+        return Rollout.from_ragged(outs, list(prompt_ids), ["stop"] * len(outs))
+
+
+def test_mc_values_of_episodes_by_hand():
+    """The rollout episode answers y, n, n (return 1). From the start of turn j, half the continuations answer y on
+    each of the 3 - j turns left: V = (3 - j) / 2 = 1.5, 1, 0.5 (the y already collected is not counted). The advantages
+    are turn 1: 1 + 1 - 1.5, turn 2: 0.5 - 1, turn 3: 0 - 0.5, on model tokens; the observations are masked."""
+    import agent
+
+    s = Sampling(max_new_tokens=4, stop_token_ids=(EOS,), seed=3)
+    played = []
+
+    def play(engine, rows, s_, **kw):
+        played.append(agent.run_episodes(engine, TOK, Rolls, rows, s_, max_turns=5, context_len=256, **kw))
+        return played[-1]
+
+    ep = play(Episodic(), [{"prompt": "go", "answer": ""}], s, snapshots=True)
+    assert ep.returns.tolist() == [1.0] and [st.turns for st in ep.starts[0]] == [0, 1, 2]
+    v = vine.mc_values(Episodic(), TOK, None, None, ep, s, k=4, play=play)
+    ro = ep.rollout
+    cols = [len(st.tokens) for st in ep.starts[0]]  # the first model token of each turn
+    assert cols[0] == 0 and all(ro.mask[0, c] and not ro.mask[0, c - 1] for c in cols[1:])
+    assert v.states[0].nonzero().flatten().tolist() == cols and v.values[0, cols].tolist() == [1.5, 1.0, 0.5]
+    assert v.extra_tokens == 4 * 2 * (3 + 2 + 1)  # 4 continuations x 2 tokens a turn x the turns left
+    adv = L.vine_advantages(v.values, v.states, ep.rewards, ro.mask)
+    turn = torch.cumsum(torch.zeros_like(ro.mask).index_fill(1, torch.tensor(cols), True), -1)  # 1, 2, 3 per column
+    want = torch.tensor([0.0, 0.5, -0.5, -0.5])[turn] * ro.mask
+    torch.testing.assert_close(adv, want)
+
+    # The continuations' own randomness is fresh: the 4 copies of a state roll differently from each other, and from
+    # the episode (their generators were deep-copied from it, then reseeded).
+    cont = played[-1]
+    rolls = [tuple(m["content"] for m in msgs if m["role"] == "user") for msgs in cont.messages]
+    assert len(rolls) == 3 * 4 and len(set(rolls[:4])) > 1 and len(rolls[0]) == 2  # from turn 1: rolls after turns 1, 2
+    own = tuple(m["content"] for m in ep.messages[0][2::2])
+    assert any(r != own for r in rolls[:4])
+
+
+def test_a_continuation_needs_reseed():
+    import agent
+
+    class NoSeed(Rolls):
+        reseed = None
+
+    ep = agent.run_episodes(Episodic(), TOK, Rolls, [{"prompt": "go", "answer": ""}], Sampling(max_new_tokens=4, stop_token_ids=(EOS,)),
+                            max_turns=5, context_len=256, snapshots=True)
+    st = ep.starts[0][1]
+    st.env.__class__ = NoSeed
+    with pytest.raises(ValueError, match="has no reseed"):
+        agent.run_episodes(Episodic(), TOK, NoSeed, [], Sampling(max_new_tokens=4), max_turns=5, context_len=256, starts=[st])
