@@ -202,3 +202,32 @@ def test_a_continuation_needs_reseed():
     st.env.__class__ = NoSeed
     with pytest.raises(ValueError, match="has no reseed"):
         agent.run_episodes(Episodic(), TOK, NoSeed, [], Sampling(max_new_tokens=4), max_turns=5, context_len=256, starts=[st])
+
+
+RETRY = '''
+class Retry:
+    """examples/env_retry.py's environment with the no-op reseed --algo vine asks for."""
+
+    def reseed(self, seed):
+        pass
+
+    def reset(self, row):
+        self.answer = row["answer"]
+        return row["prompt"]
+
+    def step(self, text):
+        return (None, 1.0, True) if text.strip() == self.answer else ("wrong, try again", 0.0, False)
+'''
+
+
+@pytest.mark.e2e
+def test_algo_vine_on_episodes_and_its_reseed_refusal(tmp_path):
+    from train_ppo import main
+
+    with pytest.raises(ValueError, match="RetryEnv has no reseed"):
+        main(small(tmp_path / "refused", algo="vine", env="examples/env_retry.py:RetryEnv", max_turns=2))
+    env = tmp_path / "retry.py"
+    env.write_text(RETRY)
+    hist = main(small(tmp_path / "run", algo="vine", vine_k=2, env=f"{env}:Retry", max_turns=2, eval_size=8))
+    rl = [r for r in hist if r["step"] >= 1]
+    assert len(rl) == 2 and all(r["ppo/grad_norm"] > 0 and r["vine/extra_token_ratio"] > 0 and "rollout/turns_mean" in r for r in rl)
