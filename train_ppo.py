@@ -409,7 +409,8 @@ def rollout_phase(run: Run, engines: Engines, task, tok, index: int):
         out = rollouts(engines.rollout, tok, rows, rollout_sampling(run, engines, index), play)
         if cfg.algo != "vine":
             engines.rollout.sleep()
-    return rows, tp_share(out, run.tp_mesh)
+    shared = tp_share(replace(out, starts=[]) if isinstance(out, Episodes) else out, run.tp_mesh)  # snapshots: engine rank only
+    return rows, shared if out is None else out
 
 
 def vine_phase(run: Run, engines: Engines, task, tok, rows, out, index: int, m: Metrics) -> vine.Values:
