@@ -146,6 +146,20 @@ class _Row:
 
 
 @dataclass
+class Start:
+    """A state to play an episode on from (VinePPO's continuations, vine.py): the start of a model turn."""
+
+    env: object  # the environment at the state: run_episodes(snapshots=True) deep-copies it; starts= plays it itself
+    where: str  # the episode it comes from, for errors
+    prompt: list[int]
+    tokens: list[int]  # the row's response so far, model and observation tokens; the state is response column len(tokens)
+    model: list[bool]  # per token of tokens: a model token
+    turns: int  # turns played before the state
+    ret: float  # rewards collected before the state
+    seed: int = 0  # starts=: the episode's c-th engine call draws from seed + c, and its env.reseed gets seed + 1023
+
+
+@dataclass
 class _Episode:
     k: int
     env: object
@@ -153,6 +167,7 @@ class _Episode:
     where: str  # the episode and its row, for errors
     rows: list[_Row]
     messages: list[dict]
+    seed: int  # engine call c draws from seed + c
     turns: int = 0
     calls: int = 0
     ret: float = 0.0
@@ -185,6 +200,8 @@ class Episodes:
     critic_context: list[str | None] = field(default_factory=list)
     """Per episode: what its environment's critic_context() returned right after reset (None: it has no such method);
     --critic-context env puts it before every row of the episode, in the critic's input only."""
+    starts: list[list[Start]] = field(default_factory=list)
+    """snapshots=True: per episode, the state at the start of each of its model turns (its env deep-copied there)."""
 
 
 def _check_step(out, env, turn: str, text: str):
@@ -212,7 +229,8 @@ def _longest_token(tok) -> int:
 
 
 def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, max_turns: int, context_len: int,
-                 compact_at: int = 0, timeout: float = DEFAULT_USER_TIMEOUT) -> Episodes:
+                 compact_at: int = 0, timeout: float = DEFAULT_USER_TIMEOUT, snapshots: bool = False,
+                 starts: list[Start] | None = None) -> Episodes:
     """Play sampling.n episodes per task row with `engine` (any rollout.Engine: one generate call per turn over the live
     episodes). Episode e (row e // n, sample e % n) makes its c-th engine call with seed
     (sampling.seed + e) * 1024 + c, so an episode's draws do not depend on the other episodes in the call, and a batch
@@ -222,7 +240,12 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
     An environment with randomness of its own defines reseed(seed): episode e calls it before reset with
     (sampling.seed + e) * 1024 + 1023 (a seed no engine call of the episode uses), so its draws are reproducible and
     independent of the batch's split, like the engine's. An environment's critic_context(), if defined, is called once
-    right after reset (Episodes.critic_context)."""
+    right after reset (Episodes.critic_context).
+
+    VinePPO (vine.py): snapshots=True records each episode's state at the start of every model turn (Episodes.starts,
+    its environment deep-copied; not with compaction). starts= plays one episode from each Start instead of the rows:
+    on its env (reseeded with start.seed + 1023), from its row so far, with its turns and return so far; the returns
+    are whole episodes' (rewards before the state included)."""
     if not 1 <= max_turns < _CALLS_PER_EPISODE // 2:  # turns and summaries must stay within the seed stride
         raise ValueError(f"run_episodes: max_turns must be in [1, {_CALLS_PER_EPISODE // 2}), got {max_turns}")
     N, name = sampling.max_new_tokens, f"environment {getattr(env_cls, '__name__', repr(env_cls))}"
@@ -239,14 +262,25 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
         except Exception as e:
             raise RuntimeError(f"the chat template failed on the message of {name} on {where}: {e!r}") from e
 
+    if (snapshots or starts is not None) and compact_at:
+        raise ValueError("run_episodes: snapshots and starts are not implemented with compaction (compact_at)")
     eps = []
-    for i, row in enumerate(rows):
+    for i, st in enumerate(starts or ()):
+        where = f"a continuation (number {i}) of {st.where}"
+        if not callable(getattr(st.env, "reseed", None)):
+            raise ValueError(f"{name} has no reseed(seed): a continuation plays on a copy of the environment and must draw "
+                             "its own randomness afresh; define reseed (a no-op if it has no randomness of its own)")
+        user(".reseed", st.env.reseed, (st.seed + _CALLS_PER_EPISODE - 1,), where)
+        eps.append(_Episode(i, st.env, "", where, [_Row(list(st.prompt), list(st.tokens), list(st.model), [0.0] * len(st.tokens),
+                                                          [0.0] * len(st.tokens))], [], st.seed, st.turns, ret=st.ret))
+    for i, row in enumerate(rows if starts is None else ()):
         for j in range(sampling.n):
             origin = row.get("where") or f"prompt {str(row.get('prompt'))[:60]!r}"
             where = f"episode {len(eps)} (row {i}: {origin}; sample {j})"
             env = user("()", env_cls, (), where)
+            seed = (sampling.seed + len(eps)) * _CALLS_PER_EPISODE % 2**31  # + c < 1024: below 2^31, as (... + c) mod 2^31
             if callable(getattr(env, "reseed", None)):
-                user(".reseed", env.reseed, (((sampling.seed + len(eps)) * _CALLS_PER_EPISODE + _CALLS_PER_EPISODE - 1) % 2**31,), where)
+                user(".reseed", env.reseed, (seed + _CALLS_PER_EPISODE - 1,), where)
             first = user(".reset", env.reset, (copy.deepcopy(row),), where)
             if not isinstance(first, str) or not first:
                 raise RuntimeError(f"{name}.reset returned {first!r} on {where}; it must return the first user message "
@@ -260,8 +294,9 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
                 raise ValueError(f"run_episodes: the first message of {name}.reset on {where} is "
                                  f"{f'{len(prompt)} tokens' if prompt else f'{len(first)} characters'}; with --max-new-tokens "
                                  f"{N} it does not fit in the context ({context_len})")
-            eps.append(_Episode(len(eps), env, first, where, [_Row(prompt)], [{"role": "user", "content": first}], hidden=hidden))
+            eps.append(_Episode(len(eps), env, first, where, [_Row(prompt)], [{"role": "user", "content": first}], seed, hidden=hidden))
     request = lambda e: getattr(e.env, "summary_request", SUMMARY_REQUEST)  # noqa: E731
+    starts_of: dict[int, list[Start]] = {}
     while True:
         live = []
         for e in eps:
@@ -271,7 +306,15 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
                 live.append(e)
         if not live:
             break
-        seeds = tuple(((sampling.seed + e.k) * _CALLS_PER_EPISODE + e.calls) % 2**31 for e in live)
+        seeds = tuple(e.seed + e.calls for e in live)
+        for e in live if snapshots else ():
+            r = e.rows[-1]
+            try:
+                env = copy.deepcopy(e.env)
+            except Exception as err:
+                raise RuntimeError(f"{name} cannot be copied (copy.deepcopy) on turn {e.turns + 1} of {e.where}, which "
+                                   f"--algo vine needs to play continuations from the state: {err!r}") from err
+            starts_of.setdefault(e.k, []).append(Start(env, e.where, list(r.prompt), list(r.tokens), list(r.model), e.turns, e.ret))
         ro = engine.generate([e.rows[-1].prompt + e.rows[-1].tokens for e in live], replace(sampling, n=1, seeds=seeds))
         for i, e in enumerate(live):
             row, m = e.rows[-1], ro.mask[i]
@@ -330,7 +373,8 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
     for b, r in enumerate(rows):
         rewards[b, : len(r.rewards)] = torch.tensor(r.rewards)
     return Episodes(ro, rewards, torch.tensor([e.ret for e in eps]), [k for k, _ in out], [e.turns for e in eps],
-                    [e.finish for e in eps], [e.messages for e in eps], [e.hidden for e in eps])
+                    [e.finish for e in eps], [e.messages for e in eps], [e.hidden for e in eps],
+                    [starts_of.get(e.k, []) for e in eps] if snapshots else [])
 
 
 def episode_metrics(ep: Episodes) -> dict[str, float]:

@@ -70,9 +70,10 @@ class Config:
     accept_changed_inputs: bool = False
     """Resume although the data, reward or environment files (or the splits) differ from those the run recorded."""
     # algorithm
-    algo: Literal["ppo", "grpo", "reinforce"] = "ppo"
+    algo: Literal["ppo", "grpo", "reinforce", "vine"] = "ppo"
     """ppo: critic + token-level GAE. grpo: group-relative advantages, no critic. reinforce: no critic, the reward minus
-    the mean of the prompt's last --baseline-window rewards from earlier steps (SAO's control)."""
+    the mean of the prompt's last --baseline-window rewards from earlier steps (SAO's control). vine: Monte Carlo values
+    from --vine-k continuations per state (VinePPO), no critic."""
     correction: Literal["icepop", "tis", "geo", "dis", "none"] = "icepop"
     """Train-inference mismatch correction: IcePop token masking, truncated IS, geometric sequence mask, DIS loss, none."""
     icepop_low: float = 0.5
@@ -97,6 +98,10 @@ class Config:
     """> 0: length-adaptive policy lambda = 1 - 1/(alpha L) with this alpha (VAPO 0.05)."""
     whiten_advantages: bool = True
     """Whiten PPO advantages over the global batch."""
+    vine_k: int = 4
+    """vine: continuations sampled from each state; V(s) is their mean reward."""
+    vine_every: int = 1
+    """vine: a state every this many response tokens (1 = before every token)."""
     grpo_std: bool = True
     """GRPO: divide by the group std (False = Dr. GRPO)."""
     baseline_window: int = 8
@@ -207,6 +212,20 @@ def resolve(cfg: Config, world_size: int) -> dict:
     n = cfg.n_samples or (4 if cfg.algo == "grpo" else 1)
     if cfg.algo == "grpo" and n < 2:
         errors.append("--algo grpo needs --n-samples >= 2 (a group of one has no baseline)")
+    if cfg.algo == "vine":
+        if cfg.vine_k < 1 or cfg.vine_every < 1:
+            errors.append(f"--vine-k and --vine-every must be >= 1, got {cfg.vine_k} and {cfg.vine_every}")
+        if cfg.vine_every != 1 and (cfg.env or cfg.task == "guess"):
+            errors.append(f"--vine-every {cfg.vine_every} with a multi-turn task: its states are the starts of the model turns "
+                          "(states inside a turn are not implemented); leave --vine-every 1")
+        if cfg.gamma != 1:
+            errors.append(f"--algo vine takes --gamma 1 (its values are undiscounted mean rewards), got {cfg.gamma}")
+        if cfg.kl == "k1-reward":
+            errors.append("--kl k1-reward with --algo vine is refused: the Monte Carlo values would have to include the KL "
+                          "penalty of every continuation token; use --kl k3-loss (a loss term) or --algo ppo")
+        if cfg.compact_at:
+            errors.append("--compact-at with --algo vine is not supported (a continuation would have to replay compaction); "
+                          "leave --compact-at 0")
     if cfg.rollout_batch % (n * dp):
         errors.append(f"--rollout-batch {cfg.rollout_batch} must split into groups of {n} samples over {dp} data-parallel ranks")
     rows = cfg.rollout_batch // dp
@@ -357,6 +376,10 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
         raise ValueError(f"{name}: the tokenizer needs an EOS token and a chat template (responses stop at EOS; prompts are chat turns)")
     if tok.pad_token_id is None:  # many base models ship none (Llama 3); every forward masks padding out, so EOS serves
         tok.pad_token = tok.eos_token
+    if cfg.algo == "vine" and task.env is not None and not callable(getattr(task.env, "reseed", None)):
+        raise ValueError(f"--algo vine: the environment {task.env.__name__} has no reseed(seed) method. A continuation plays "
+                         "on a copy of the environment and must draw its own randomness afresh: define reseed (a no-op "
+                         "if the environment has no randomness of its own)")
     new = cfg.max_new_tokens or task.max_new_tokens
     if new >= mc.max_position_embeddings:
         raise ValueError(f"--max-new-tokens {new} leaves no room for a prompt in the model's context of {mc.max_position_embeddings} tokens")

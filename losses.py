@@ -65,8 +65,7 @@ def process_logits(logits: Tensor, temperature: float = 1.0, *, top_k: int = 0, 
     recomputes log-probs through it, so engine and trainer share one definition.
 
     logits: [..., V] any float dtype. Returns [..., V] float32 (a new tensor unless it is already
-    float32 with temperature 1 and no truncation).
-    """
+    float32 with temperature 1 and no truncation)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     x = logits.float()
@@ -212,6 +211,29 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float 
         return adv, (adv + values) * m
 
 
+def vine_advantages(values: Tensor, states: Tensor, rewards: Tensor, mask: Tensor) -> Tensor:
+    """Monte Carlo advantages over chunks (VinePPO, Kazemnejad et al. 2024, arXiv 2410.01679), gamma = 1. The states
+    t_0 < t_1 < ... of a row (``states`` True) cut it into chunks [t_j, t_{j+1}), the last one ending at the row's end
+    (terminal, V = 0). Every token of chunk j gets A = r(chunk j) + V(s_{t_{j+1}}) - V(s_{t_j}), r(chunk) = the sum of
+    ``rewards`` on its valid tokens: with a state at every token, GAE with lambda 0; with one at the first, R - V(s_0).
+    Tokens before a row's first state (no baseline) get 0. values: [B, T] V(s_t), the expected rewards from token t on
+    (read where ``states``); states: [B, T] bool, on valid tokens only; rewards: [B, T]. Returns [B, T] float32, 0 on
+    masked positions, no grad."""
+    _check(mask, values=values, states=states, rewards=rewards)
+    assert not (states & ~mask).any(), "vine_advantages: a state must sit on a valid token"
+    with torch.no_grad():
+        B, T = mask.shape
+        cols = torch.arange(T, device=mask.device).expand(B, T)
+        togo = (rewards.float() * mask).flip(-1).cumsum(-1).flip(-1)  # G_t: the rewards of columns t .. T-1
+        # D_t = G_t - V_t at the states, 0 at the end: A over chunk [a, b) = (G_a - G_b) + V_b - V_a = D_a - D_b.
+        d = torch.cat([torch.where(states, togo - values.float(), 0.0), torch.zeros(B, 1, device=mask.device)], -1)
+        cur = torch.where(states, cols, -1).cummax(-1).values  # the state at or before t (-1: none)
+        nxt = torch.where(states, cols, T).flip(-1).cummin(-1).values.flip(-1)  # the state at or after t
+        nxt = torch.cat([nxt[:, 1:], torch.full((B, 1), T, device=mask.device)], -1)  # strictly after t (T: the end)
+        adv = d.gather(-1, cur.clamp_min(0)) - d.gather(-1, nxt)
+        return torch.where(mask & (cur >= 0), adv, 0.0)
+
+
 def last_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
     """Outcome rewards [B] placed on each row's last valid token of mask [B, T]: [B, T] float32, 0 elsewhere (a row
     without a valid token gets nothing). The last valid token, not column lengths - 1: a multi-turn row has holes
@@ -229,20 +251,17 @@ def length_adaptive_lambda(lengths: Tensor, alpha: float) -> Tensor:
     """VAPO's length-adaptive GAE lambda = 1 - 1 / (alpha * L), per sequence; [B] -> [B] float32.
 
     VAPO (arXiv 2504.05118) uses alpha = 0.05; SAO re-implementations alpha = 1.5. Clamped to [0, 1]
-    so very short responses get lambda 0 (pure TD) rather than a negative lambda.
-    """
+    so very short responses get lambda 0 (pure TD) rather than a negative lambda."""
     return (1.0 - 1.0 / (alpha * lengths.float().clamp_min(1))).clamp(0.0, 1.0)
 
 
 def grpo_advantages(scores: Tensor, group_size: int, norm_std: bool = True, eps: float = 1e-6, valid: Tensor | None = None) -> Tensor:
-    """Group-relative advantages (GRPO, arXiv 2402.03300; Dr. GRPO arXiv 2503.20783 drops the std).
-
-    scores: [N] one scalar per response; groups of ``group_size`` are contiguous. A_i = (R_i - mean_group)
-    / (std_group + eps) with the unbiased std (or without the division when norm_std=False). A group of
-    size 1 has no baseline: its advantage is 0. ``valid`` ([N] bool, default all True) marks the rewarded
-    responses: the mean and std are over a group's valid members only, an invalid response gets 0, and so does
-    every member of a group with fewer than 2 valid ones (no baseline). Returns [N] float32.
-    """
+    """Group-relative advantages (GRPO, arXiv 2402.03300; Dr. GRPO arXiv 2503.20783 drops the std). scores: [N] one
+    scalar per response; groups of ``group_size`` are contiguous. A_i = (R_i - mean_group) / (std_group + eps) with the
+    unbiased std (or without the division when norm_std=False). A group of size 1 has no baseline: its advantage is 0.
+    ``valid`` ([N] bool, default all True) marks the rewarded responses: the mean and std are over a group's valid
+    members only, an invalid response gets 0, and so does every member of a group with fewer than 2 valid ones (no
+    baseline). Returns [N] float32."""
     if scores.dim() != 1 or scores.numel() % group_size:
         raise ValueError(f"grpo_advantages: {scores.numel()} scores do not split into groups of {group_size}")
     if group_size == 1:
@@ -264,14 +283,12 @@ def grpo_advantages(scores: Tensor, group_size: int, norm_std: bool = True, eps:
 
 
 def running_mean_advantages(rewards: Tensor, past: Tensor, past_count: Tensor, batch_mean: Tensor) -> Tensor:
-    """REINFORCE with a running-mean per-prompt baseline (the control of the SAO paper): A_i = R_i - b_i, where b_i is
-    the mean of the earlier rewards of row i's prompt, or batch_mean where its prompt has none.
-
-    rewards: [N] each row's reward (its episode's return); past: [N, W] the prompt's last W earlier rewards, right-padded
-    (entries at or after past_count are ignored); past_count: [N] long in [0, W]; batch_mean: 0-d, the fallback (the
-    step's mean reward over the global batch). Returns [N] float32; the caller puts it on every kept model token."""
-    if past.dim() != 2 or past.size(0) != rewards.numel() or past_count.shape != rewards.shape:
-        raise ValueError(f"running_mean_advantages: past {tuple(past.shape)} and past_count {tuple(past_count.shape)} do not "
+    """REINFORCE with a running-mean per-prompt baseline (SAO's control): A_i = R_i - b_i, b_i the mean of the earlier
+    rewards of row i's prompt, or batch_mean (0-d: the step's mean over the global batch) where it has none. rewards: [N]
+    (episode returns); past: [N, W] its last W earlier rewards, right-padded, entries at or after past_count [N] (long,
+    in [0, W]) ignored. Returns [N] float32."""
+    if past.shape != (rewards.numel(), past.size(-1)) or past_count.shape != rewards.shape:
+        raise ValueError(f"running_mean_advantages: past {tuple(past.shape)}, past_count {tuple(past_count.shape)} do not "
                          f"match rewards {tuple(rewards.shape)}")
     used = torch.arange(past.size(1), device=past.device) < past_count[:, None]
     baseline = torch.where(past_count > 0, (past.double() * used).sum(-1) / past_count.clamp_min(1), batch_mean.double())

@@ -267,6 +267,14 @@ def all_reduce(x: Tensor, group=None, op=dist.ReduceOp.SUM) -> Tensor:
     return x
 
 
+def tp_share(obj, tp_mesh: DeviceMesh | None):
+    """The TP group's first rank's picklable object (its engine rank's rollout), on every rank of the group."""
+    box = [obj]
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        dist.broadcast_object_list(box, group_src=0, group=tp_mesh.get_group())
+    return box[0]
+
+
 def all_reduce_grads(model: nn.Module, dp_group: dist.ProcessGroup | None, bucket_bytes: int = 64 << 20) -> None:
     """Sum every trainable parameter's gradient over the data-parallel ranks (in place).
 

@@ -552,3 +552,11 @@ def push_weights(policy, engine: Engine | None) -> None:
     else:
         for _ in weights:
             pass
+
+
+def sync_weights(policy, engine, changed: bool) -> None:
+    """Wake the engine; push the new full weights bucket by bucket when they changed (every TP rank gathers)."""
+    if engine is not None:
+        engine.wake()
+    if changed:
+        push_weights(policy, engine)

@@ -13,13 +13,14 @@ critic, then train_step and finish_step per step. train_step calls the phases in
 each device's memory during each (colocated: the phases take turns):
 
     phase                                engine (weights + KV cache)   policy / critic / optimiser states
-    rollout_phase                        awake, generating             resident, idle
+    rollout_phase (and vine_phase)       awake, generating             resident, idle
     score_batch ... correction           asleep (released)             forward activations (no grad)
     update_critic, update_policy         asleep                        activations + gradients
     sync_weights                         wake, then full weights pushed bucket by bucket, cache flushed
     finish_step (metrics / eval / ckpt)  awake (eval generates)        resident
 
-The order sleep -> train -> wake -> sync is written once: rollout_phase sleeps the engine, sync_weights wakes it.
+The order sleep -> train -> wake -> sync is written once: rollout_phase (--algo vine: vine_phase) sleeps the engine,
+sync_weights wakes it.
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ from tqdm import tqdm
 
 import losses
 import moe
+import vine
 from agent import DEFAULT_MAX_TURNS, Episodes, episode_metrics, load_env, run_episodes
 from config import Config, check_model, resolve
 from data.rewards import load_reward
-from data.tasks import get_task
+from data.tasks import get_task, prompt_indices
 from evaluation import evaluate, rollouts, scored
 from forward import (check_finite, check_head, context_ids, critic_batch, denominator, micro, minibatches, optimizer_step, response_logprobs,
                      response_values)
-from parallel import PREEMPTION, Runtime, all_reduce, init_runtime, make_mesh, parallelize, print0
-from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights
+from parallel import PREEMPTION, Runtime, all_reduce, init_runtime, make_mesh, parallelize, print0, tp_share
+from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights, sync_weights
 from runlog import (Metrics, RunLog, check_fresh_start, check_inputs, check_resume, input_fingerprints, latest_checkpoint, load_trainer_state,
                     lock_run_dir, save_checkpoint, timed)
 from value_model import (PLATEAU_WINDOW, PromptBaseline, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic,
@@ -83,15 +85,16 @@ def train_step(run: Run, models: Models, engines: Engines, task, tok, *, index: 
     where = f"step {index + 1}" if train_policy else f"critic pretraining step {-index}"
     with timed(m, "rollout"):
         rows, out = rollout_phase(run, engines, task, tok, index)
+    mc = vine_phase(run, engines, task, tok, rows, out, index, m) if cfg.algo == "vine" else None
     with timed(m, "reward"):
-        batch = score_batch(run, engines, task, tok, rows, out, m)
+        batch = score_batch(run, engines, task, tok, rows, out, m)._replace(vine=mc)
     if models.fresh_head:
         set_head_to_mean(models.critic, *all_reduce(batch.reward_sum_count(), run.dp_group))
         models.fresh_head = False
     with timed(m, "recompute"), torch.no_grad():
         old = recompute(run, models, batch, m)
     with timed(m, "advantages"):
-        adv, returns = advantages(run, batch, old) if cfg.algo != "reinforce" else (reinforce_advantages(run, models, batch, task, index, m), None)
+        adv, returns = advantages(run, models, batch, old, task, index, m)
     with timed(m, "correction"):
         is_w, loss_mask = correction(run, batch, old, m)
     if models.critic is not None:
@@ -241,6 +244,7 @@ class Batch(NamedTuple):
     fed: torch.Tensor  # real tokens one trainer pass computes (a shared prompt once per group)
     max_len: int  # Engines.max_len
     width: int  # Engines.width
+    vine: Any = None  # vine.Values of the rows (--algo vine)
 
     def reward_sum_count(self) -> torch.Tensor:
         return torch.stack([self.scores[self.rewarded].sum(), self.rewarded.sum().float()])
@@ -349,7 +353,7 @@ def build_engines(run: Run, models: Models, task, tok) -> Engines:
     if task.env is None:
         return Engines(engine, eval_engine, sampling, None, sampling.max_new_tokens, sampling.max_new_tokens)
     turns, context = cfg.max_turns or task.max_turns, models.policy.config.max_position_embeddings
-    play = lambda eng, rows, s: run_episodes(eng, tok, task.env, rows, s, max_turns=turns, context_len=context, compact_at=cfg.compact_at, timeout=task.user_timeout)  # noqa: E731
+    play = lambda eng, rows, s, **vine: run_episodes(eng, tok, task.env, rows, s, max_turns=turns, context_len=context, compact_at=cfg.compact_at, timeout=task.user_timeout, **vine)  # noqa: E731
     return Engines(engine, eval_engine, sampling, play, (turns + 1) * sampling.max_new_tokens, context)
 
 
@@ -381,36 +385,44 @@ def save(run: Run, models: Models, tok, step: int) -> None:
 # ----------------------------------------------------------------------------- the phases of a step
 
 
-@functools.lru_cache(maxsize=4)
-def epoch_order(seed: int, n_train: int, epoch: int) -> torch.Tensor:
-    """The permutation in which epoch `epoch` of the data stream visits the train set (the same on every rank);
-    cached, so a step does not redraw it."""
-    return torch.randperm(n_train, generator=torch.Generator().manual_seed(seed + epoch))
+def batch_prompts(run: Run, n_train: int, index: int) -> list[int]:
+    """This replica's train rows of batch `index` (its share of the data stream, data.tasks.prompt_indices)."""
+    return prompt_indices(run.cfg.seed, n_train, (index * run.plan["dp"] + run.dp_rank) * run.plan["prompts"], run.plan["prompts"])
 
 
-def prompt_indices(seed: int, n_train: int, first: int, count: int) -> list[int]:
-    """Train rows first .. first + count - 1 of the data stream: row i is row i % n_train of epoch i // n_train."""
-    return [int(epoch_order(seed, n_train, i // n_train)[i % n_train]) for i in range(first, first + count)]
+def rollout_sampling(run: Run, engines: Engines, index: int) -> Sampling:
+    """This replica's sampling of batch `index`: row (episode) r draws from seed + r, so no dp split changes the batch."""
+    return replace(engines.sampling, seed=(run.cfg.seed * 1_000_003 + index * run.cfg.rollout_batch + run.dp_rank * run.plan["rows"]) % 2**31)
 
 
 def rollout_phase(run: Run, engines: Engines, task, tok, index: int):
     """This replica's prompts of batch `index`, generated by its engine rank and shared with its TP peers; the engine
-    sleeps after. Returns (task rows, Rollout or agent.Episodes)."""
-    cfg, plan = run.cfg, run.plan
-    first = index * plan["prompts"] * plan["dp"] + run.dp_rank * plan["prompts"]
-    rows = task.train.select(prompt_indices(cfg.seed, len(task.train), first, plan["prompts"]))
+    sleeps after (with --algo vine after vine_phase). Returns (task rows, Rollout or agent.Episodes)."""
+    cfg = run.cfg
+    rows = task.train.select(batch_prompts(run, len(task.train), index))
     out = None
     if engines.rollout is not None:
-        # Row (episode) r of this call is sampled with seed + r (engine contract; agent.run_episodes), so the global
-        # batch does not depend on how it is split over data-parallel ranks.
-        seed = (cfg.seed * 1_000_003 + index * cfg.rollout_batch + run.dp_rank * plan["rows"]) % 2**31
-        out = rollouts(engines.rollout, tok, rows, replace(engines.sampling, seed=seed), engines.play)
-        engines.rollout.sleep()
-    if run.tp_mesh is not None and run.tp_mesh.size() > 1:
-        box = [out]
-        dist.broadcast_object_list(box, group_src=0, group=run.tp_mesh.get_group())
-        out = box[0]
-    return rows, out
+        play = functools.partial(engines.play, snapshots=True) if engines.play and cfg.algo == "vine" else engines.play
+        out = rollouts(engines.rollout, tok, rows, rollout_sampling(run, engines, index), play)
+        if cfg.algo != "vine":
+            engines.rollout.sleep()
+    shared = tp_share(replace(out, starts=[]) if isinstance(out, Episodes) else out, run.tp_mesh)  # snapshots: engine rank only
+    return rows, shared if out is None else out
+
+
+def vine_phase(run: Run, engines: Engines, task, tok, rows, out, index: int, m: Metrics) -> vine.Values:
+    """--algo vine (time/vine): the Monte Carlo values of this replica's rows (vine.mc_values) from the engine, still
+    awake after the rollout; then it sleeps. Logs the continuations' tokens, summed over dp ranks and per rollout token."""
+    mc = None
+    with timed(m, "vine"):
+        if engines.rollout is not None:
+            mc = vine.mc_values(engines.rollout, tok, task, rows, out, rollout_sampling(run, engines, index), k=run.cfg.vine_k,
+                                every=run.cfg.vine_every, play=engines.play)
+            engines.rollout.sleep()
+        mc = tp_share(mc, run.tp_mesh)
+    m.add({"vine/extra_tokens": mc.extra_tokens * run.plan["dp"]})  # the mean over ranks, times dp: the sum over dp
+    m.add_ratio("vine/extra_token_ratio", mc.extra_tokens, (out.rollout if engines.play else out).mask.sum())
+    return mc
 
 
 def score_batch(run: Run, engines: Engines, task, tok, rows, out, m: Metrics) -> Batch:
@@ -462,34 +474,33 @@ def recompute(run: Run, models: Models, batch: Batch, m: Metrics) -> Old:
     return Old(torch.cat(logp), ref_logp, values)
 
 
-def advantages(run: Run, batch: Batch, old: Old) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(advantages, returns): PPO's token-level GAE (lambda_policy, or length-adaptive) whitened over the global batch,
-    with GAE(lambda_critic) returns as the critic's targets; GRPO's group-relative advantages (no returns)."""
+def advantages(run: Run, models: Models, batch: Batch, old: Old, task, index: int, m: Metrics) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(advantages, returns): PPO's token-level GAE (lambda_policy, or length-adaptive) with GAE(lambda_critic) returns as
+    the critic's targets; GRPO's group-relative advantages; vine's Monte Carlo value differences; reinforce's reward
+    minus its prompt's running mean (value_model.PromptBaseline; prompt = its train row index). All but GRPO's are
+    whitened over the global batch with --whiten-advantages; only PPO has returns."""
     cfg, mask = run.cfg, batch.mask
-    rewards = batch.token_rewards
+    rewards, returns = batch.token_rewards, None
     if cfg.kl == "k1-reward":
         rewards = rewards - cfg.kl_coef * losses.kl_estimate(old.logp, old.ref_logp, "k1") * mask
     if cfg.algo == "grpo":
         return losses.grpo_advantages((rewards * mask).sum(-1), run.plan["n"], cfg.grpo_std, valid=batch.rewarded)[:, None] * mask, None
-    _, returns = losses.gae(rewards, old.values, mask, cfg.gamma, cfg.lam_critic)
-    lam = losses.length_adaptive_lambda(batch.gen_mask.sum(-1), cfg.adaptive_lambda) if cfg.adaptive_lambda > 0 else cfg.lam_policy
-    adv, _ = losses.gae(rewards, old.values, mask, cfg.gamma, lam)
+    if cfg.algo == "vine":  # VinePPO: Monte Carlo values at the states, no critic
+        adv = losses.vine_advantages(batch.vine.values.to(mask.device), batch.vine.states.to(mask.device), rewards, mask)
+    elif cfg.algo == "reinforce":
+        plan, dev = run.plan, mask.device
+        sample = torch.tensor(batch.out.episode if isinstance(batch.out, Episodes) else range(len(batch.tokens)), device=dev)
+        prompts = torch.tensor(batch_prompts(run, len(task.train), index), device=dev)[sample // plan["n"]]
+        adv, had = models.baseline.advantages(prompts, sample, batch.scores, batch.rewarded, plan["rows"], run.dp_rank, plan["dp"], run.dp_group)
+        m.add_ratio("reinforce/history_frac", had[batch.rewarded].sum(), batch.rewarded.sum())  # rows whose prompt had earlier rewards
+        adv = adv[:, None] * mask
+    else:
+        _, returns = losses.gae(rewards, old.values, mask, cfg.gamma, cfg.lam_critic)
+        lam = losses.length_adaptive_lambda(batch.gen_mask.sum(-1), cfg.adaptive_lambda) if cfg.adaptive_lambda > 0 else cfg.lam_policy
+        adv, _ = losses.gae(rewards, old.values, mask, cfg.gamma, lam)
     if cfg.whiten_advantages:  # the statistics all-reduced over dp ranks (whitening over the global batch)
         adv = losses.whiten(adv, mask, all_reduce(losses.whiten_stats(adv, mask), run.dp_group))
     return adv, returns
-
-
-def reinforce_advantages(run: Run, models: Models, batch: Batch, task, index: int, m: Metrics) -> torch.Tensor:
-    """--algo reinforce: each row's reward (episode return) minus its prompt's running mean (value_model.PromptBaseline;
-    prompt = its train row index, prompt_indices), on every kept model token; whitened like PPO's with --whiten-advantages."""
-    plan = run.plan
-    idx = prompt_indices(run.cfg.seed, len(task.train), index * plan["prompts"] * plan["dp"] + run.dp_rank * plan["prompts"], plan["prompts"])
-    sample = torch.tensor(batch.out.episode if isinstance(batch.out, Episodes) else range(len(batch.tokens)), device=batch.scores.device)
-    adv, had = models.baseline.advantages(torch.tensor(idx, device=sample.device)[sample // plan["n"]], sample, batch.scores, batch.rewarded,
-                                          plan["rows"], run.dp_rank, plan["dp"], run.dp_group)
-    m.add_ratio("reinforce/history_frac", had[batch.rewarded].sum(), batch.rewarded.sum())  # rows whose prompt had earlier rewards
-    adv = adv[:, None] * batch.mask
-    return losses.whiten(adv, batch.mask, all_reduce(losses.whiten_stats(adv, batch.mask), run.dp_group)) if run.cfg.whiten_advantages else adv
 
 
 def correction(run: Run, batch: Batch, old: Old, m: Metrics) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -557,14 +568,6 @@ def update_policy(run: Run, models: Models, batch: Batch, old: Old, adv, is_w, l
             m.add({"ppo/grad_norm": norm, "train/skipped_update": float(not ok)})
 
 
-def sync_weights(policy, engine, changed: bool) -> None:
-    """Wake the engine; push the new full weights bucket by bucket when they changed (every TP rank gathers)."""
-    if engine is not None:
-        engine.wake()
-    if changed:
-        push_weights(policy, engine)
-
-
 def step_metrics(run: Run, batch: Batch, m: Metrics, seconds: float) -> dict:
     """The rollout's sizes and speed, the step's time and peak memory."""
     dp, lengths, ro = run.plan["dp"], batch.gen_mask.sum(-1), batch.ro
@@ -576,6 +579,7 @@ def step_metrics(run: Run, batch: Batch, m: Metrics, seconds: float) -> dict:
         "train/tokens_per_pass": batch.fed.float() * dp, "train/response_tokens": lengths.sum().float() * dp,
         "time/step": seconds,
         **(episode_metrics(batch.out) if isinstance(batch.out, Episodes) else {}),
+        **(vine.metrics(batch.vine, batch.token_rewards, batch.mask, batch.width) if batch.vine is not None else {}),
     }
     if run.cfg.algo == "grpo":  # groups whose n rewards are all equal carry no GRPO signal
         groups = batch.scores.view(-1, run.plan["n"])

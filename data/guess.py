@@ -32,6 +32,10 @@ class GuessEnv:
     summary_request = SUMMARY_REQUEST
     turn_cost = 0.0
 
+    def reseed(self, seed: int) -> None:
+        """No randomness of its own (the secret is the row's): nothing to seed. Defined for --algo vine, whose
+        continuations reseed their copies of the environment."""
+
     def reset(self, row: dict) -> str:
         self.secret = int(row["answer"])
         return row["prompt"]

@@ -13,6 +13,7 @@ terminal rewards; data/rewards.py holds the built-ins, the loader of --reward an
 """
 
 import csv
+import functools
 import json
 import numbers
 import os
@@ -25,6 +26,7 @@ from typing import Callable
 
 import datasets
 import pyarrow.parquet
+import torch
 
 from data.guess import MAX_TURNS, GuessEnv, guess_rows
 from data.rewards import DEFAULT_USER_TIMEOUT, check_reward, exact
@@ -473,3 +475,15 @@ def get_task(name: str, *, split: str = "train", prompt_key: str = "prompt", ans
         check_reward(task.reward_fn, ds.column_names)
     task.user_timeout = user_timeout
     return task
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, n_train: int, epoch: int) -> torch.Tensor:
+    """The permutation in which epoch `epoch` of the data stream visits the train set (the same on every rank);
+    cached, so a step does not redraw it."""
+    return torch.randperm(n_train, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def prompt_indices(seed: int, n_train: int, first: int, count: int) -> list[int]:
+    """Train rows first .. first + count - 1 of the data stream: row i is row i % n_train of epoch i // n_train."""
+    return [int(epoch_order(seed, n_train, i // n_train)[i % n_train]) for i in range(first, first + count)]

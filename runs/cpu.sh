@@ -39,6 +39,8 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --lam-critic 1.0 \
   --adaptive-lambda 0.0 \
   --whiten-advantages \
+  --vine-k 4 \
+  --vine-every 1 \
   --grpo-std \
   --baseline-window 8 \
   --clip-low 0.2 \

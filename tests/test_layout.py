@@ -8,7 +8,8 @@ Layers, bottom to top, and why in this order:
 - data.rewards, data.guess, data.tasks: prompts, environments and rewards; no model or engine code, and agent.py needs
   data.rewards (--env shares --reward's plug-in loader), so they sit below the engines.
 - rollout: the engine interface, the embedded engine, make_engine and the weight push.
-- sglang_engine, agent: the other engine and the multi-turn driver, both on rollout's interface.
+- sglang_engine, agent, vine: the other engine, the multi-turn driver and VinePPO's Monte Carlo values, all on
+  rollout's interface.
 - data.tiny: the default model, warmed up on demonstrations played through agent and the embedded engine.
 - config, runlog, evaluation, value_model, forward: the run (options and checks, run folder and metrics, held-out
   evaluation, the critic, the trainer's forwards).
@@ -30,7 +31,7 @@ LAYERS = [
     ("losses", "moe", "parallel", "decoder"),
     ("data.rewards", "data.guess", "data.tasks"),
     ("rollout",),
-    ("sglang_engine", "agent"),
+    ("sglang_engine", "agent", "vine"),
     ("data.tiny",),
     ("config", "runlog", "evaluation", "value_model", "forward"),
     ("train_ppo",),

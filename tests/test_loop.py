@@ -8,7 +8,8 @@ import torch
 
 from data.tiny import build_tiny_model
 from runlog import Metrics
-from train_ppo import Config, main, prompt_indices
+from data.tasks import prompt_indices
+from train_ppo import Config, main
 
 
 def test_metrics_means_extremes_and_ratios():

@@ -183,6 +183,31 @@ def test_gae_terminal_reward_and_td():
     torch.testing.assert_close(adv0, torch.tensor([[0.5 - 0.2, 0.7 - 0.5, 1.0 - 0.7, 0.0]]))
 
 
+def test_vine_advantages_hand():
+    """Chunks between states: A = r(chunk) + V(next state) - V(state), V = 0 after the row's end."""
+    T_, F_ = True, False
+    mask = torch.tensor([[T_, T_, T_, T_, T_, F_], [T_, T_, F_, F_, T_, T_], [T_, T_, T_, F_, F_, F_]])
+    states = torch.tensor([[T_, F_, T_, F_, T_, F_], [T_, F_, F_, F_, T_, F_], [F_, T_, F_, F_, F_, F_]])
+    values = torch.tensor([[0.3, 9.0, 0.6, 9.0, 0.9, 9.0], [1.2, 9.0, 9.0, 9.0, 0.8, 9.0], [9.0, 0.5, 9.0, 9.0, 9.0, 9.0]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 7.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    adv = L.vine_advantages(values, states, rewards, mask)
+    want = torch.tensor([[0.3, 0.3, 0.3, 0.3, 0.1, 0.0],  # 0.6 - 0.3, 0.9 - 0.6, 1 - 0.9
+                         [0.1, 0.1, 0.0, 0.0, 0.2, 0.2],  # turn 1's 0.5 + 0.8 - 1.2 (the observation's 7 ignored), 1 - 0.8
+                         [0.0, 0.5, 0.5, 0.0, 0.0, 0.0]])  # no state before column 1: no baseline, 0
+    torch.testing.assert_close(adv, want)
+
+
+def test_vine_advantages_at_every_token_are_td_errors():
+    g = torch.Generator().manual_seed(4)
+    mask = torch.rand(5, 9, generator=g) > 0.3  # holes = observation tokens
+    rewards, values = torch.randn(5, 9, generator=g), torch.randn(5, 9, generator=g)
+    torch.testing.assert_close(L.vine_advantages(values, mask, rewards, mask), L.gae(rewards * mask, values, mask, 1.0, 0.0)[0])
+    first = mask & (mask.cumsum(-1) == 1)  # one state at each row's first token: R - V(s_0) on every token
+    R = (rewards * mask).sum(-1, keepdim=True)
+    v0 = (values * first).sum(-1, keepdim=True)
+    torch.testing.assert_close(L.vine_advantages(values, first, rewards, mask), (R - v0).expand_as(mask) * mask)
+
+
 def test_length_adaptive_lambda():
     lam = L.length_adaptive_lambda(torch.tensor([100, 20, 1]), alpha=0.05)
     torch.testing.assert_close(lam, torch.tensor([1 - 1 / 5, 0.0, 0.0]))

@@ -42,6 +42,13 @@ def test_the_base_of_the_table_is_accepted(tmp_path):
     (dict(lam_policy=1.5), 1, r"--lam-policy must be a finite number in \[0, 1\]"),
     (dict(kl="k3-loss", kl_coef=0.0), 1, "needs --kl-coef > 0"),
     (dict(icepop_low=1.5), 1, "IcePop band"),
+    # vine
+    (dict(algo="vine", vine_k=0), 1, "--vine-k and --vine-every must be >= 1, got 0 and 1"),
+    (dict(algo="vine", vine_every=0), 1, "--vine-k and --vine-every must be >= 1, got 4 and 0"),
+    (dict(algo="vine", task="guess", vine_every=2), 1, "--vine-every 2 with a multi-turn task"),
+    (dict(algo="vine", kl="k1-reward"), 1, "--kl k1-reward with --algo vine is refused"),
+    (dict(algo="vine", gamma=0.99), 1, "--algo vine takes --gamma 1"),
+    (dict(algo="vine", task="guess", compact_at=100), 1, "--compact-at with --algo vine is not supported"),
     # model, engine, reward
     (dict(model="/no/such/model"), 1, "not a Hugging Face model folder"),
     (dict(out_dir=""), 1, "--out-dir must not be empty"),

@@ -27,3 +27,50 @@ def test_critic_sweep_prints_one_row_per_setting():
     assert run.returncode == 0, run.stdout + run.stderr
     table = [line for line in run.stdout.splitlines() if line.startswith("| 1e-3x1 |") or line.startswith("| 3e-4x2 |")]
     assert len(table) == 2 and run.stdout.count("critic pretraining stopped after 3 steps (step cap") == 2
+
+
+def _value_ceiling():
+    import importlib.util
+    import os
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("value_ceiling", os.path.join(REPO, "bench", "value_ceiling.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_headroom_per_position_by_hand():
+    """Position 0: V* is the prompt's value (ratio 1); position 1, over the 2 rows alive there: V* = R (ratio 0)."""
+    import torch
+
+    mask = torch.tensor([[True, True], [True, True], [True, False]])
+    returns = torch.tensor([1.0, 0.0, 1.0])[:, None].expand(3, 2)
+    prompt = torch.full((3, 2), 0.5)
+    values = torch.tensor([[0.5, 1.0], [0.5, 0.0], [0.5, 7.0]])  # row 2 is not alive at position 1: its 7 is ignored
+    assert _value_ceiling().headroom(values, prompt, returns, mask).tolist() == [1.0, 0.0]
+
+
+RETRY = '''
+class Retry:
+    def reseed(self, seed):
+        pass
+
+    def reset(self, row):
+        self.answer = row["answer"]
+        return row["prompt"]
+
+    def step(self, text):
+        return (None, 1.0, True) if text.strip() == self.answer else ("wrong, try again", 0.0, False)
+'''
+
+
+def test_measure_plays_episodes_from_the_turn_starts(tmp_path):
+    """measure() on a multi-turn environment (a retry game on the addition rows): values at the turn starts."""
+    env = tmp_path / "retry.py"
+    env.write_text(RETRY)
+    out = _value_ceiling().measure(task="addition", env=f"{env}:Retry", max_turns=2, prompts=24, k=4)
+    assert out["states"] == "turn starts" and out["extra_tokens"] > 0
+    assert out["perfect/0"] == out["prompt_only/0"] and out["perfect"] > out["prompt_only"]
+    assert out["headroom"] >= 1 and 0 < out["headroom_ratio"] <= 1
