@@ -27,6 +27,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, when imported from elsewhere (tests)
+from lab_stats import NAN, auc, ci95, finite, judge, paired  # noqa: E402
+
 ALGOS = {"ppo": ["--algo", "ppo"], "grpo": ["--algo", "grpo", "--n-samples", "8"]}
 MISMATCH_ARMS = {  # appended to each algorithm's flags: arm "<algo>-<label>"
     "bf16-none": ["--engine-dtype", "bf16", "--correction", "none"],
@@ -206,24 +209,6 @@ KEEP = ("eval/greedy_acc", "eval/sampled_acc", "mismatch/k3", "mismatch/masked_f
         "mismatch/ratio_max", "mismatch/ratio_p999",
         "mismatch/masked_frac_high", "ppo/grad_norm", "ppo/entropy", "critic/explained_variance", "grpo/identical_reward_frac",
         "rollout/turns_mean")
-# two-sided 95% t quantiles t_{0.975, df}, df = 1..30 (scipy is not a dependency)
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-NAN = float("nan")
-finite = lambda v: isinstance(v, (int, float)) and v == v  # noqa: E731  (not None, not NaN)
-
-
-def ci95(values):
-    """(mean, half-width of the 95% t-interval of the mean, n) over the non-NaN values; half-width NaN below 2."""
-    v = [x for x in values if finite(x)]
-    n = len(v)
-    mean = sum(v) / n if n else NAN
-    if n < 2:
-        return mean, NAN, n
-    t = T975[n - 2] if n <= 31 else 1.96 + (1.96**3 + 1.96) / (4 * (n - 1))  # Cornish-Fisher beyond the table
-    return mean, t * math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1) / n), n
-
-
 def grid_spec(name, quick):
     """The grid, or its quick variant (the quick dict's keys replace the grid's; arms: a list of labels or a dict)."""
     g = dict(GRIDS[name])

@@ -185,3 +185,21 @@ def test_guess_learns_300_is_judged_only_with_all_five_seeds():
     assert "not evaluated" in lab.VERDICTS["guess-learns-300"](stats(4))[0]
     assert "RL LEARNS" in lab.VERDICTS["guess-learns-300"](stats(5))[0]
     assert "RL LEARNS" in lab.VERDICTS["guess-learns-rep"](stats(2))[0]  # the earlier grids keep their 2-seed floor
+
+
+def test_auc_is_the_trapezoid_mean_success_from_step_0():
+    rows = [{"step": 0, "eval/sampled_acc": 0.2}, {"step": 5}, {"step": 10, "eval/sampled_acc": 0.4}, {"step": 40, "eval/sampled_acc": 0.1}]
+    assert lab.auc(rows, "eval/sampled_acc", 40) == pytest.approx(100 * (10 * 0.3 + 30 * 0.25) / 40)  # 26.25: uneven steps weighted
+    assert lab.auc(rows[:1] + rows[-1:], "eval/sampled_acc", 40) == pytest.approx(15.0)
+    with pytest.raises(ValueError, match="step 0 and at the last step 40"):  # no evaluation at step 0
+        lab.auc(rows[2:], "eval/sampled_acc", 40)
+    with pytest.raises(ValueError, match="last step 50"):  # the curve stops before the run's last step
+        lab.auc(rows, "eval/sampled_acc", 50)
+
+
+def test_paired_differences_and_their_verdict():
+    d, c = lab.paired({0: 10.0, 1: 12.0, 2: 14.0, 3: 9.0}, {0: 8.0, 1: 9.0, 2: 10.0, 4: 50.0, 3: float("nan")})
+    assert d == {0: 2.0, 1: 3.0, 2: 4.0} and c[0] == 3.0 and c[2] == 3 and c[1] == pytest.approx(4.303 / math.sqrt(3))  # sd 1
+    assert lab.judge(c, points=2.0, need=3) == "BETTER" and lab.judge(c, points=2.0, need=5) == "NOT JUDGED"
+    assert lab.judge((-3.0, 1.0, 5)) == "WORSE" and lab.judge((-3.0, 3.5, 5)) == "NULL" == lab.judge((3.0, 3.5, 5))  # interval reaches 0
+    assert lab.judge((1.9, 0.5, 5)) == "NULL" and lab.judge((2.0, 1.9, 5)) == "BETTER"  # under `points`; at it
