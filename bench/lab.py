@@ -202,13 +202,37 @@ GRIDS["guess-learns-300"] = {
     "base": ["--rollout-batch", "64", "--engine-dtype", "fp32", "--max-turns", "6", "--eval-every", "100", "--eval-size", "500",
              "--save-every", "50", "--keep-checkpoints", "1"],
 }
+# Issue 22's credit grid. The machinery is built; the lead writes the hypothesis, the decision rule and the sizes (every
+# TODO(lead)) and commits them before its first run: until then bench/lab.py credit refuses to run (only --quick runs).
+TODO = "TODO(lead)"
+GRIDS["credit"] = {
+    "hypothesis": f"{TODO}: the hypothesis, written and committed before the first run.",
+    "decision_rule": f"{TODO}: the rule. Built so far (verdict_credit): per task, on the primary endpoint (the AUC of held-out sampled "
+    "success: its trapezoid mean from step 0 to the last step, in points), paired over the seeds finished in both arms: (1) the oracle "
+    "first, vine vs reinforce; if vine is not BETTER the task cannot show a credit effect and comparisons 2-4 on it are uninformative; "
+    "(2) ppo vs reinforce; (3) ppo-priv vs ppo; (4) ppo vs grpo-n8. BETTER: the mean paired difference is at least `points` and its "
+    "95% t-interval excludes 0; WORSE: at most -`points` and the interval excludes 0; otherwise NULL; fewer than `need` paired seeds: "
+    "NOT JUDGED. Secondary (reported, not decisive): the same on final sampled success.",
+    "tasks": ["walk", "sort"],
+    "seeds": list(range(10)),  # paired: seed k gives every arm the same prompt order and sampling seeds
+    "steps": {"walk": TODO, "sort": TODO},  # set before running, never after seeing results
+    "base": ["--rollout-batch", "64", "--engine-dtype", "fp32", "--correction", "none", "--eval-every", TODO, "--eval-size", TODO,
+             "--save-every", TODO, "--keep-checkpoints", "1"],
+    "arms": {"grpo-n8": ["--algo", "grpo", "--n-samples", "8"], "ppo": ["--algo", "ppo"],  # 64 rollouts per step in every arm
+             "ppo-priv": {"walk": ["--algo", "ppo", "--critic-context", "env"], "sort": ["--algo", "ppo", "--critic-context", "answer"]},
+             "vine": ["--algo", "vine", "--vine-k", "4"], "reinforce": ["--algo", "reinforce"]},
+    "core": ["vine", "reinforce"],  # the oracle comparison first: it says whether a task can show an effect at all
+    "points": 2.0, "need": 5,  # verdict_credit's thresholds (lab_stats.judge)
+    "ceilings": {t: f"docs/lab/credit/ceiling_{t}.json" for t in ("walk", "sort")},  # bench/value_ceiling.py --out, start policy
+    "quick": {**QUICK, "tasks": ["sort"], "arms": ["reinforce", "ppo-priv"], "base": QUICK["base"] + ["--engine-dtype", "fp32", "--correction", "none"]},
+}
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train_ppo.py")
 KEEP = ("eval/greedy_acc", "eval/sampled_acc", "mismatch/k3", "mismatch/masked_frac_low", "moe/flip_frac", "moe/flip_any_layer_frac",
         "mismatch/ratio_max", "mismatch/ratio_p999",
         "mismatch/masked_frac_high", "ppo/grad_norm", "ppo/entropy", "critic/explained_variance", "grpo/identical_reward_frac",
-        "rollout/turns_mean")
+        "rollout/turns_mean", "vine/explained_variance", "vine/extra_token_ratio")
 def grid_spec(name, quick):
     """The grid, or its quick variant (the quick dict's keys replace the grid's; arms: a list of labels or a dict)."""
     g = dict(GRIDS[name])
@@ -218,7 +242,26 @@ def grid_spec(name, quick):
         g.update({k: v for k, v in q.items() if k != "arms"})
         g["arms"] = arms if isinstance(arms, dict) else {a: g["arms"][a] for a in arms}
         g["core"] = [a for a in g.get("core", []) if a in g["arms"]]
+    for a, f in g["arms"].items():  # an arm's flags: one list for every task, or a dict {task: flags}
+        if isinstance(f, dict) and (missing := [t for t in g["tasks"] if t not in f]):
+            raise ValueError(f"grid {name}: arm {a} has no flags for task(s) {missing} (its dict has {sorted(f)})")
     return g
+
+
+def arm_flags(g, arm, task):
+    """The train_ppo.py flags of an arm on a task: its list, or its dict's entry for the task."""
+    f = g["arms"][arm]
+    return f[task] if isinstance(f, dict) else f
+
+
+def flags_text(f):
+    return "; ".join(f"{t}: {shlex.join(v)}" for t, v in f.items()) if isinstance(f, dict) else shlex.join(f)
+
+
+def unregistered(g):
+    """The fields of a grid spec still holding the lead's placeholder: a grid with any is never run (its rule must
+    be written and committed before its first run)."""
+    return [k for k in ("hypothesis", "decision_rule", "steps", "base") if TODO in json.dumps(g.get(k))]
 
 
 def steps_of(g, task):
@@ -315,7 +358,7 @@ def run_all(g, root, todo, jobs, stored=()):
                 os.makedirs(d, exist_ok=True)
                 clear_unsaved(d)
                 cmd = [sys.executable, TRAIN, "--out-dir", d, "--seed", str(seed), "--task", task,
-                       "--steps", str(steps_of(g, task)), *g["base"], *g["arms"][arm]]
+                       "--steps", str(steps_of(g, task)), *g["base"], *arm_flags(g, arm, task)]
                 with open(os.path.join(d, "log.txt"), "a") as log:
                     log.write(f"\n$ {shlex.join(cmd)}\n")
                     log.flush()
@@ -374,8 +417,9 @@ def load_compact(path):
 
 
 def run_stats(run):
-    """The table's per-run numbers: accuracies in points; k3 over the first / last 20% of steps; masked fractions
-    over all steps; EV over steps 51-80."""
+    """The table's per-run numbers: accuracies in points; AUC: the mean held-out success over training (lab_stats.auc);
+    k3 over the first / last 20% of steps; masked fractions over all steps; EV over steps 51-80 and, for the credit
+    grid, the critic's or vine's over the last 20%; identical-reward groups and vine's extra tokens over all steps."""
     rows, S = run["rows"], run["steps"]
     ev, w = [r for r in rows if "eval/greedy_acc" in r], max(1, round(0.2 * S))
 
@@ -389,7 +433,15 @@ def run_stats(run):
             "ev_51_80": mean("critic/explained_variance", 51, 80), "pretrain": run.get("pretrain_steps", 0),
             "flips": mean("moe/flip_frac", 1, S), "flips_any": mean("moe/flip_any_layer_frac", 1, S), "ratio_p999": mean("mismatch/ratio_p999", 1, S),
             "ratio_max": max([r["mismatch/ratio_max"] for r in rows if finite(r.get("mismatch/ratio_max"))], default=NAN),
-            "grad_norm": mean("ppo/grad_norm", 1, S)}
+            "grad_norm": mean("ppo/grad_norm", 1, S), "auc_sampled": auc(ev, "eval/sampled_acc", S), "auc_greedy": auc(ev, "eval/greedy_acc", S),
+            "critic_ev_last": mean("critic/explained_variance", S - w + 1, S), "vine_ev_last": mean("vine/explained_variance", S - w + 1, S),
+            "identical": mean("grpo/identical_reward_frac", 1, S), "vine_extra": mean("vine/extra_token_ratio", 1, S)}
+
+
+def arm_stats(runs):
+    """One arm's runs on one task: {run_stats key: ci95 triple over its seeds, "seeds": {seed: run_stats(run)}}."""
+    per = {r["seed"]: run_stats(r) for r in runs}
+    return {**{k: ci95([p[k] for p in per.values()]) for k in next(iter(per.values()), {})}, "seeds": per}
 
 
 def compare(a, b, points=5.0):
@@ -467,8 +519,51 @@ def verdict_moe(stats):
     return verdict_mismatch(stats, MOE_ARMS, pairs, (("kvfp8-icepop", "kvfp8-none"), ("kvfp8-replay", "kvfp8-none")))
 
 
+CREDIT = (("vine", "reinforce"), ("ppo", "reinforce"), ("ppo-priv", "ppo"), ("ppo", "grpo-n8"))  # (1) is the oracle
+
+
+def verdict_credit(stats, points=2.0, need=5, ceilings=None):
+    """The credit grid's comparisons, per task: paired seed differences (lab_stats.paired) of the AUC of held-out
+    sampled success (primary) and of final sampled success (secondary), judged by lab_stats.judge; the oracle pair
+    first. Beside each arm: its EV over the last 20% of steps (critic's, or vine's Monte Carlo values') against the
+    task's perfect-critic ceiling (ceilings: {task: bench/value_ceiling.py --out JSON, relative to the repo}), GRPO's
+    identical-reward groups and vine's extra tokens. stats: report's {task: {arm: arm_stats(runs)}}."""
+    fmt = lambda x, spec: "-" if not finite(x) else format(x, spec)  # noqa: E731
+    lines, decided = [], []
+    for task, arms in stats.items():
+        seeds = lambda a, key: {s: p[key] for s, p in arms.get(a, {}).get("seeds", {}).items()}  # noqa: E731
+        path = os.path.join(REPO, (ceilings or {}).get(task, "")) if (ceilings or {}).get(task) else ""
+        ceiling = json.load(open(path)) if path and os.path.isfile(path) else {}
+        lines += [f"### {task}", "", "| arm | seeds | AUC sampled | AUC greedy | final sampled | EV last 20% | identical-reward groups "
+                  "| vine extra tokens |", "|---|---|---|---|---|---|---|---|"]
+        for a, c in arms.items():
+            ev = c["vine_ev_last" if finite(c["vine_ev_last"][0]) else "critic_ev_last"][0]
+            lines.append(f"| {a} | {len(c['seeds'])} | {fmt(c['auc_sampled'][0], '.1f')} | {fmt(c['auc_greedy'][0], '.1f')} "
+                         f"| {fmt(c['final_sampled'][0], '.1f')} | {fmt(ev, '.2f')} | {fmt(c['identical'][0], '.1%')} | {fmt(c['vine_extra'][0], '.2f')} |")
+        lines += ["", f"Perfect-critic ceiling (Monte Carlo EV of the start policy, bench/value_ceiling.py): " + (
+            f"{ceiling['perfect']:.2f}; prompt-only {ceiling['prompt_only']:.2f} (`{ceilings[task]}`)." if ceiling else "not measured."), ""]
+        oracle = None
+        for i, (a, b) in enumerate(CREDIT, 1):
+            for key, kind in (("auc_sampled", "AUC of held-out sampled success"), ("final_sampled", "final sampled success (secondary)")):
+                _, c = paired(seeds(a, key), seeds(b, key))
+                v = judge(c, points, need)
+                oracle = v if i == 1 and key == "auc_sampled" else oracle
+                informative = i == 1 or oracle == "BETTER"
+                if key == "auc_sampled" and informative and v in ("BETTER", "WORSE"):
+                    decided.append(f"{task}: {a} {v} than {b}")
+                lines.append(f"- ({i}) {a} vs {b}, {kind}: **{v}** (paired difference {fmt(c[0], '+.1f')} ± {fmt(c[1], '.1f')} points "
+                             f"over {c[2]} seeds)" + ("" if informative else ", uninformative: the oracle is not BETTER"))
+            if i == 1 and oracle != "BETTER":
+                lines.append(f"- **{task} cannot show a credit effect**: vine (the oracle) is not BETTER than reinforce ({oracle}); "
+                             "comparisons 2-4 on it are uninformative (printed below for the record).")
+        lines.append("")
+    return lines + ([f"Decisive comparisons (primary endpoint, informative tasks): {'; '.join(decided)}."] if decided
+                    else ["**Null result**: no informative comparison on the primary endpoint is BETTER or WORSE."])
+
+
 VERDICTS = {"mismatch": verdict_mismatch, "moe": verdict_moe, "horizon": verdict_horizon, "multi-turn": verdict_multi_turn, "guess-learns": verdict_guess_learns,
-            "guess-learns-rep": verdict_guess_learns, "guess-learns-300": lambda stats: verdict_guess_learns(stats, need=5)}
+            "guess-learns-rep": verdict_guess_learns, "guess-learns-300": lambda stats: verdict_guess_learns(stats, need=5),
+            "credit": lambda stats: verdict_credit(stats, GRIDS["credit"]["points"], GRIDS["credit"]["need"], GRIDS["credit"]["ceilings"])}
 
 
 def plots(g, runs, task, out_dir):
@@ -523,7 +618,7 @@ def plots(g, runs, task, out_dir):
 
     files = figure("accuracy", ["eval/greedy_acc", "eval/sampled_acc"], 1, samples=True) + figure("k3", ["mismatch/k3"], logy=True)
     files += figure("masked", ["mismatch/masked_frac_low", "mismatch/masked_frac_high"]) + figure("grad_norm", ["ppo/grad_norm"])
-    files += figure("entropy", ["ppo/entropy"]) + figure("ev", ["critic/explained_variance"])
+    files += figure("entropy", ["ppo/entropy"]) + figure("ev", ["critic/explained_variance", "vine/explained_variance"])
     files += figure("identical_reward_groups", ["grpo/identical_reward_frac"])
     files += figure("routing", ["moe/flip_frac", "moe/flip_any_layer_frac"]) + figure("ratio_tail", ["mismatch/ratio_p999", "mismatch/ratio_max"])
     labels = sorted({k for rs in by_arm.values() for r in rs for row in r["rows"] for k in row if k.startswith("critic/ev_pos_")},
@@ -555,7 +650,7 @@ def report(name, g, runs, meta, md_path, asset_dir, quick, n_aside=0):
            f"Each run: `python train_ppo.py --out-dir <runs-dir>/{name}/<task>/<arm>/seed<k> --seed <k> --task <task> --steps <steps> <base> <arm flags>`;"
            f" steps {g['steps']}, seeds {g['seeds']}, tasks {g['tasks']}.", "", f"Base flags: `{shlex.join(g['base'])}`", "",
            "| arm | flags | seeds finished (all tasks) |", "|---|---|---|"]
-    out += [f"| {a} | `{shlex.join(f)}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |" for a, f in g["arms"].items()]
+    out += [f"| {a} | `{flags_text(f)}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |" for a, f in g["arms"].items()]
     fps = {t: sorted({str(r.get("start_model")) for r in runs if r["task"] == t}) for t in g["tasks"]}
     out += ["", "Start model per task (sha256 of its weights, 16 hex digits; None: a run from before fingerprints): "
             + "; ".join(f"{t} {', '.join(f)}" for t, f in fps.items() if f) + "."]
@@ -569,18 +664,17 @@ def report(name, g, runs, meta, md_path, asset_dir, quick, n_aside=0):
             "pretraining steps (seed mean), whose rollouts are not counted in the samples seen."]
     for old in [f for f in os.listdir(asset_dir) if f.endswith(".png")]:  # no stale plots of arms or tasks since removed
         os.remove(os.path.join(asset_dir, old))
-    cols = ["final_greedy", "gain_greedy", "gain_sampled", "best_greedy", "final_sampled", "k3_first", "k3_last", "masked_low", "masked_high",
-            "ev_51_80", "pretrain", "flips", "flips_any", "ratio_p999", "ratio_max", "grad_norm"]
     stats = {}
     for task in g["tasks"]:
         out += ["", f"## {task}", "", "| arm | seeds | final greedy | best greedy | final sampled | k3 first 20% | k3 last 20% | masked low "
                 "| masked high | EV 51-80 | pretrain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for a in g["arms"]:
-            per = [run_stats(r) for r in runs if r["task"] == task and r["arm"] == a]
-            c = {k: ci95([p[k] for p in per]) for k in cols}
-            if per:
-                stats.setdefault(task, {})[a] = c
-            out.append(f"| {a} | {len(per)} | {ci(c['final_greedy'])} | {ci(c['best_greedy'])} | {ci(c['final_sampled'])} | {fmt(c['k3_first'][0], '.2e')} "
+            c = arm_stats([r for r in runs if r["task"] == task and r["arm"] == a])
+            if not c["seeds"]:
+                out.append(f"| {a} | 0 |" + " - |" * 9)
+                continue
+            stats.setdefault(task, {})[a] = c
+            out.append(f"| {a} | {len(c['seeds'])} | {ci(c['final_greedy'])} | {ci(c['best_greedy'])} | {ci(c['final_sampled'])} | {fmt(c['k3_first'][0], '.2e')} "
                        f"| {fmt(c['k3_last'][0], '.2e')} | {fmt(c['masked_low'][0], '.3%')} | {fmt(c['masked_high'][0], '.3%')} "
                        f"| {fmt(c['ev_51_80'][0], '.2f')} | {fmt(c['pretrain'][0], '.0f')} |")
         if g.get("moe") and task in stats:  # routing and the ratio's tail: seed means of per-run values
@@ -618,6 +712,9 @@ def main():
                    "out of the grid (into set-aside.jsonl.gz beside its metrics) instead of refusing to run")
     args = p.parse_args()
     g = grid_spec(args.grid, args.quick)
+    if not args.quick and (todo := unregistered(g)):
+        sys.exit(f"grid {args.grid} is not registered: {', '.join(todo)} still hold {TODO}. Write them and commit before the first "
+                 "run (--quick runs the smoke variant)")
     root = os.path.abspath(os.path.join(args.runs_dir, args.grid + ("-quick" if args.quick else "")))
     md_path, asset_dir = (f"{root}/report.md", f"{root}/report") if args.quick else (f"{REPO}/docs/lab/{args.grid}.md", f"{REPO}/docs/lab/{args.grid}")
     compact, aside = os.path.join(asset_dir, "metrics.jsonl.gz"), os.path.join(asset_dir, "set-aside.jsonl.gz")
