@@ -522,6 +522,14 @@ def verdict_moe(stats):
 CREDIT = (("vine", "reinforce"), ("ppo", "reinforce"), ("ppo-priv", "ppo"), ("ppo", "grpo-n8"))  # (1) is the oracle
 
 
+def load_ceiling(path):
+    """bench/value_ceiling.py's --out JSON (a path relative to the repo), or {} where there is none."""
+    if not path or not os.path.isfile(path := os.path.join(REPO, path)):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def verdict_credit(stats, points=2.0, need=5, ceilings=None):
     """The credit grid's comparisons, per task: paired seed differences (lab_stats.paired) of the AUC of held-out
     sampled success (primary) and of final sampled success (secondary), judged by lab_stats.judge; the oracle pair
@@ -532,8 +540,7 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None):
     lines, decided = [], []
     for task, arms in stats.items():
         seeds = lambda a, key: {s: p[key] for s, p in arms.get(a, {}).get("seeds", {}).items()}  # noqa: E731
-        path = os.path.join(REPO, (ceilings or {}).get(task, "")) if (ceilings or {}).get(task) else ""
-        ceiling = json.load(open(path)) if path and os.path.isfile(path) else {}
+        ceiling = load_ceiling((ceilings or {}).get(task))
         lines += [f"### {task}", "", "| arm | seeds | AUC sampled | AUC greedy | final sampled | EV last 20% | identical-reward groups "
                   "| vine extra tokens |", "|---|---|---|---|---|---|---|---|"]
         for a, c in arms.items():
@@ -551,8 +558,8 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None):
                 informative = i == 1 or oracle == "BETTER"
                 if key == "auc_sampled" and informative and v in ("BETTER", "WORSE"):
                     decided.append(f"{task}: {a} {v} than {b}")
-                lines.append(f"- ({i}) {a} vs {b}, {kind}: **{v}** (paired difference {fmt(c[0], '+.1f')} ± {fmt(c[1], '.1f')} points "
-                             f"over {c[2]} seeds)" + ("" if informative else ", uninformative: the oracle is not BETTER"))
+                diff = f"paired difference {fmt(c[0], '+.1f')} ± {fmt(c[1], '.1f')} points over {c[2]} seeds" if c[2] else "no seeds finished in both arms"
+                lines.append(f"- ({i}) {a} vs {b}, {kind}: **{v}** ({diff})" + ("" if informative else ", uninformative: the oracle is not BETTER"))
             if i == 1 and oracle != "BETTER":
                 lines.append(f"- **{task} cannot show a credit effect**: vine (the oracle) is not BETTER than reinforce ({oracle}); "
                              "comparisons 2-4 on it are uninformative (printed below for the record).")

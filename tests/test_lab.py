@@ -81,13 +81,16 @@ def test_a_failed_run_is_reported_with_its_log_and_does_not_stop_the_others(tmp_
                     "if a['--seed'] == '0': sys.exit(print('boom: ' + a['--task']) or 3)\n"
                     "open(os.path.join(a['--out-dir'], 'metrics.jsonl'), 'w').write(json.dumps({'step': 2, 'eval/greedy_acc': 0.5}) + '\\n')\n")
     monkeypatch.setattr(lab, "TRAIN", str(fake))
-    g = {"steps": 2, "base": [], "arms": {"a": [], "b": []}}
+    g = {"steps": 2, "base": [], "arms": {"a": [], "b": {"addition": ["--x", "1"], "sort": ["--y", "2"]}}}  # b: flags per task
     jobs = [("addition", "a", 0), ("addition", "b", 0), ("addition", "a", 1), ("sort", "b", 1)]
     failed = lab.run_all(g, str(tmp_path / "runs"), jobs, jobs=2)
     out = capsys.readouterr().out
     assert sorted(failed) == ["addition/a/seed0", "addition/b/seed0"] and "boom: addition" in failed["addition/b/seed0"]
     assert "FAILED addition/a/seed0 (exit 3)" in out and "done addition/a/seed1: final greedy acc 50.0%" in out and "done sort/b/seed1" in out
     assert lab.finished(str(tmp_path / "runs/sort/b/seed1"), 2) and not lab.finished(str(tmp_path / "runs/addition/a/seed0"), 2)
+    cmds = {k: (tmp_path / f"runs/{k}/log.txt").read_text().splitlines()[1] for k in ("sort/b/seed1", "addition/b/seed0", "addition/a/seed1")}
+    assert cmds["sort/b/seed1"].endswith("--task sort --steps 2 --y 2") and cmds["addition/b/seed0"].endswith("--steps 2 --x 1")
+    assert cmds["addition/a/seed1"].endswith("--steps 2")
 
 
 @pytest.mark.lab
@@ -203,3 +206,73 @@ def test_paired_differences_and_their_verdict():
     assert lab.judge(c, points=2.0, need=3) == "BETTER" and lab.judge(c, points=2.0, need=5) == "NOT JUDGED"
     assert lab.judge((-3.0, 1.0, 5)) == "WORSE" and lab.judge((-3.0, 3.5, 5)) == "NULL" == lab.judge((3.0, 3.5, 5))  # interval reaches 0
     assert lab.judge((1.9, 0.5, 5)) == "NULL" and lab.judge((2.0, 1.9, 5)) == "BETTER"  # under `points`; at it
+
+
+def credit_run(seed, y0, y5, y10, **train):
+    """A hand-made 10-step run: held-out success (sampled = greedy) y0, y5, y10 at steps 0, 5, 10, so its AUC is
+    25 * (y0 + 2 * y5 + y10) points; train: {metric: value at steps 1-8, value at steps 9-10 (the last 20%)}."""
+    rows = [{"step": 0, "eval/sampled_acc": y0, "eval/greedy_acc": y0}]
+    for s in range(1, 11):
+        rows.append({"step": s, **{k: v[s >= 9] for k, v in train.items()}})
+        if s in (5, 10):
+            rows[-1].update({"eval/sampled_acc": y5 if s == 5 else y10, "eval/greedy_acc": y5 if s == 5 else y10})
+    return {"seed": seed, "steps": 10, "rows": rows}
+
+
+def credit_stats():
+    """walk: vine +5 over reinforce (BETTER); ppo over reinforce +1.5 by AUC (NULL) but +6 at the end (BETTER, secondary);
+    ppo-priv on 4 seeds only (NOT JUDGED); ppo over grpo-n8 +5.5 by AUC (BETTER). sort: vine = reinforce (NULL, the
+    oracle fails) and ppo +8 over reinforce (BETTER, but uninformative)."""
+    b = {s: 0.30 + 0.01 * s for s in range(5)}
+    j = {s: 0.002 * (s - 2) for s in range(5)}  # paired jitter: differences 4.6, 4.8, 5.0, 5.2, 5.4 points around +5
+    flat = lambda y: (y, y, y)  # noqa: E731
+    walk = {"reinforce": [credit_run(s, *flat(b[s])) for s in b],
+            "vine": [credit_run(s, *flat(b[s] + 0.05 + j[s]), **{"vine/explained_variance": (0.6, 0.6), "vine/extra_token_ratio": (3.0, 3.0)}) for s in b],
+            "ppo": [credit_run(s, b[s], b[s], b[s] + 0.06 + j[s], **{"critic/explained_variance": (0.1, 0.4)}) for s in b],
+            "ppo-priv": [credit_run(s, *flat(b[s] + 0.2)) for s in range(4)],
+            "grpo-n8": [credit_run(s, *flat(b[s] - 0.04 - j[s]), **{"grpo/identical_reward_frac": (0.25, 0.25)}) for s in b]}
+    sort = {"reinforce": [credit_run(s, *flat(b[s])) for s in b], "vine": [credit_run(s, *flat(b[s] + 0.01 * (s - 2))) for s in b],
+            "ppo": [credit_run(s, *flat(b[s] + 0.08 + j[s])) for s in b]}
+    return {task: {a: lab.arm_stats(rs) for a, rs in arms.items()} for task, arms in (("walk", walk), ("sort", sort))}
+
+
+def test_verdict_credit_on_hand_made_runs(tmp_path):
+    (tmp_path / "walk.json").write_text('{"perfect": 0.55, "prompt_only": 0.1}')
+    text = "\n".join(lab.verdict_credit(credit_stats(), points=2.0, need=5, ceilings={"walk": str(tmp_path / "walk.json"),
+                                                                                     "sort": str(tmp_path / "absent.json")}))
+    walk, sort = text.split("### sort")
+    auc, final = "AUC of held-out sampled success", "final sampled success (secondary)"
+    assert f"(1) vine vs reinforce, {auc}: **BETTER** (paired difference +5.0 ± 0.4 points over 5 seeds)" in walk  # sd 0.316, t 2.776
+    assert f"(2) ppo vs reinforce, {auc}: **NULL** (paired difference +1.5 ± " in walk  # 25 * 0.06: AUC, not the final value
+    assert f"(2) ppo vs reinforce, {final}: **BETTER** (paired difference +6.0 ± " in walk
+    assert f"(3) ppo-priv vs ppo, {auc}: **NOT JUDGED** (paired difference +18.5 ± " in walk and "over 4 seeds)" in walk
+    assert f"(4) ppo vs grpo-n8, {auc}: **BETTER** (paired difference +5.5 ± 0.5 points over 5 seeds)" in walk  # 1.5 + 4 + 125 j
+    assert "cannot show" not in walk and "uninformative" not in walk
+    assert "| vine | 5 | 37.0 | 37.0 | 37.0 | 0.60 | - | 3.00 |" in walk and "| ppo | 5 | 33.5 | 33.5 | 38.0 | 0.40 | - | - |" in walk
+    assert "| grpo-n8 | 5 | 28.0 | 28.0 | 28.0 | - | 25.0% | - |" in walk and "bench/value_ceiling.py): 0.55; prompt-only 0.10" in walk
+    assert re.search(r"\(1\) vine vs reinforce, AUC [^\n]*: \*\*NULL\*\* \(paired difference [+-]0\.0 ± 2\.0 points over 5 seeds\)", sort)  # sd 1.58
+    assert f"(4) ppo vs grpo-n8, {auc}: **NOT JUDGED** (no seeds finished in both arms), uninformative" in sort
+    assert "**sort cannot show a credit effect**" in sort and "bench/value_ceiling.py): not measured." in sort
+    assert f"(2) ppo vs reinforce, {auc}: **BETTER** (paired difference +8.0 ± 0.4 points over 5 seeds), uninformative" in sort
+    assert sort.strip().endswith("Decisive comparisons (primary endpoint, informative tasks): walk: vine BETTER than reinforce; "
+                                 "walk: ppo BETTER than grpo-n8.")
+    null = "\n".join(lab.verdict_credit({"sort": credit_stats()["sort"]}))
+    assert "**sort cannot show a credit effect**" in null and null.endswith("**Null result**: no informative comparison on the "
+                                                                            "primary endpoint is BETTER or WORSE.")
+    assert "not measured" in "\n".join(lab.VERDICTS["credit"](credit_stats()))  # the registered grid's ceiling files do not exist yet
+
+
+def test_arm_flags_per_task_and_the_unregistered_credit_grid(monkeypatch):
+    g = lab.grid_spec("credit", quick=False)
+    assert lab.arm_flags(g, "ppo-priv", "walk")[-2:] == ["--critic-context", "env"] and lab.arm_flags(g, "ppo", "sort") == ["--algo", "ppo"]
+    assert lab.flags_text(g["arms"]["ppo-priv"]) == "walk: --algo ppo --critic-context env; sort: --algo ppo --critic-context answer"
+    q = lab.grid_spec("credit", quick=True)
+    assert q["tasks"] == ["sort"] and list(q["arms"]) == ["reinforce", "ppo-priv"] and lab.unregistered(q) == ["hypothesis", "decision_rule"]
+    assert lab.unregistered(g) == ["hypothesis", "decision_rule", "steps", "base"]
+    assert all(lab.unregistered(lab.GRIDS[n]) == [] for n in lab.GRIDS if n != "credit")
+    monkeypatch.setattr(lab.sys, "argv", ["lab.py", "credit"])
+    with pytest.raises(SystemExit, match="grid credit is not registered: hypothesis, decision_rule, steps, base still hold TODO"):
+        lab.main()
+    monkeypatch.setitem(lab.GRIDS, "broken", {**lab.GRIDS["credit"], "arms": {"x": {"walk": []}}})
+    with pytest.raises(ValueError, match=r"arm x has no flags for task\(s\) \['sort'\]"):
+        lab.grid_spec("broken", quick=False)
