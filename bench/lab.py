@@ -254,8 +254,9 @@ def arm_flags(g, arm, task):
     return f[task] if isinstance(f, dict) else f
 
 
-def flags_text(f):
-    return "; ".join(f"{t}: {shlex.join(v)}" for t, v in f.items()) if isinstance(f, dict) else shlex.join(f)
+def flags_text(f, tasks):
+    """An arm's flags for the report: the list, or each of the grid's tasks with its own."""
+    return "; ".join(f"{t}: {shlex.join(f[t])}" for t in tasks) if isinstance(f, dict) else shlex.join(f)
 
 
 def unregistered(g):
@@ -537,7 +538,7 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None):
     task's perfect-critic ceiling (ceilings: {task: bench/value_ceiling.py --out JSON, relative to the repo}), GRPO's
     identical-reward groups and vine's extra tokens. stats: report's {task: {arm: arm_stats(runs)}}."""
     fmt = lambda x, spec: "-" if not finite(x) else format(x, spec)  # noqa: E731
-    lines, decided = [], []
+    lines, decided, judged = [], [], set()
     for task, arms in stats.items():
         seeds = lambda a, key: {s: p[key] for s, p in arms.get(a, {}).get("seeds", {}).items()}  # noqa: E731
         ceiling = load_ceiling((ceilings or {}).get(task))
@@ -550,6 +551,7 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None):
         lines += ["", f"Perfect-critic ceiling (Monte Carlo EV of the start policy, bench/value_ceiling.py): " + (
             f"{ceiling['perfect']:.2f}; prompt-only {ceiling['prompt_only']:.2f} (`{ceilings[task]}`)." if ceiling else "not measured."), ""]
         oracle = None
+        judged |= {judge(paired(seeds(a, "auc_sampled"), seeds(b, "auc_sampled"))[1], points, need) != "NOT JUDGED" for a, b in CREDIT}
         for i, (a, b) in enumerate(CREDIT, 1):
             for key, kind in (("auc_sampled", "AUC of held-out sampled success"), ("final_sampled", "final sampled success (secondary)")):
                 _, c = paired(seeds(a, key), seeds(b, key))
@@ -560,12 +562,17 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None):
                     decided.append(f"{task}: {a} {v} than {b}")
                 diff = f"paired difference {fmt(c[0], '+.1f')} ± {fmt(c[1], '.1f')} points over {c[2]} seeds" if c[2] else "no seeds finished in both arms"
                 lines.append(f"- ({i}) {a} vs {b}, {kind}: **{v}** ({diff})" + ("" if informative else ", uninformative: the oracle is not BETTER"))
-            if i == 1 and oracle != "BETTER":
+            if i == 1 and oracle == "NOT JUDGED":
+                lines.append(f"- **{task}: the oracle is not judged yet** (under {need} paired seeds): comparisons 2-4 on it are "
+                             "uninformative until it is (printed below for the record).")
+            elif i == 1 and oracle != "BETTER":
                 lines.append(f"- **{task} cannot show a credit effect**: vine (the oracle) is not BETTER than reinforce ({oracle}); "
                              "comparisons 2-4 on it are uninformative (printed below for the record).")
         lines.append("")
-    return lines + ([f"Decisive comparisons (primary endpoint, informative tasks): {'; '.join(decided)}."] if decided
-                    else ["**Null result**: no informative comparison on the primary endpoint is BETTER or WORSE."])
+    if decided:
+        return lines + [f"Decisive comparisons (primary endpoint, informative tasks): {'; '.join(decided)}."]
+    return lines + (["**Null result**: no informative comparison on the primary endpoint is BETTER or WORSE."] if True in judged
+                    else [f"**Not judged**: no comparison has {need} paired seeds yet."])
 
 
 VERDICTS = {"mismatch": verdict_mismatch, "moe": verdict_moe, "horizon": verdict_horizon, "multi-turn": verdict_multi_turn, "guess-learns": verdict_guess_learns,
@@ -657,7 +664,7 @@ def report(name, g, runs, meta, md_path, asset_dir, quick, n_aside=0):
            f"Each run: `python train_ppo.py --out-dir <runs-dir>/{name}/<task>/<arm>/seed<k> --seed <k> --task <task> --steps <steps> <base> <arm flags>`;"
            f" steps {g['steps']}, seeds {g['seeds']}, tasks {g['tasks']}.", "", f"Base flags: `{shlex.join(g['base'])}`", "",
            "| arm | flags | seeds finished (all tasks) |", "|---|---|---|"]
-    out += [f"| {a} | `{flags_text(f)}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |" for a, f in g["arms"].items()]
+    out += [f"| {a} | `{flags_text(f, g['tasks'])}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |" for a, f in g["arms"].items()]
     fps = {t: sorted({str(r.get("start_model")) for r in runs if r["task"] == t}) for t in g["tasks"]}
     out += ["", "Start model per task (sha256 of its weights, 16 hex digits; None: a run from before fingerprints): "
             + "; ".join(f"{t} {', '.join(f)}" for t, f in fps.items() if f) + "."]

@@ -26,8 +26,9 @@ def run_lab(*args):
 # The smallest runs that exercise every part. mismatch: one arm over 2 seeds (4 steps each), the runs the skip, resume,
 # only-report and set-aside tests reuse, and the interval cells (which need 2 seeds). horizon (a GRPO arm: the
 # identical-reward plot) and moe (the routing table and plots): both arms, one seed, for the parts of the report only
-# they have and the rows of several arms. 6 runs.
-GRIDS = {"mismatch": (["ppo-int4-icepop"], [0, 1]), "horizon": (None, [0]), "moe": (None, [0])}
+# they have and the rows of several arms; credit (sort, a per-task arm, a critic-free arm, verdict_credit's table): both
+# arms, one seed. 8 runs.
+GRIDS = {"mismatch": (["ppo-int4-icepop"], [0, 1]), "horizon": (None, [0]), "moe": (None, [0]), "credit": (None, [0])}
 
 
 def selection(grid):
@@ -94,7 +95,7 @@ def test_a_failed_run_is_reported_with_its_log_and_does_not_stop_the_others(tmp_
 
 
 @pytest.mark.lab
-@pytest.mark.parametrize("grid", ["mismatch", "horizon", "moe"])
+@pytest.mark.parametrize("grid", ["mismatch", "horizon", "moe", "credit"])
 def test_quick_report(runs, grid):
     d, stdout = runs
     g = lab.grid_spec(grid, quick=True)
@@ -102,8 +103,8 @@ def test_quick_report(runs, grid):
     text = report.read_text()
     assert g["hypothesis"] in text and g["decision_rule"] in text and "## Verdict" in text
     arms, seeds = GRIDS[grid]
-    arms, n = arms or list(g["arms"]), len(seeds)
-    assert len(re.findall(rf"^\[\d/{len(arms) * n}\] done addition/", stdout[grid], re.MULTILINE)) == len(arms) * n, stdout[grid]
+    arms, n, task = arms or list(g["arms"]), len(seeds), g["tasks"][0]
+    assert len(re.findall(rf"^\[\d/{len(arms) * n}\] done {task}/", stdout[grid], re.MULTILINE)) == len(arms) * n, stdout[grid]
     cell = r"\d+\.\d ± \d+\.\d" if n > 1 else r"\d+\.\d"  # the 95% interval needs 2 seeds
     for arm in arms:  # one row per arm, its seeds, accuracies (with an interval)
         rows = [line for line in text.splitlines() if line.startswith(f"| {arm} | {n} | ")]
@@ -113,7 +114,12 @@ def test_quick_report(runs, grid):
     expected += ["routing", "ratio_tail"] if grid == "moe" else []
     if grid == "moe":  # the routing table: one row per arm
         assert sum(bool(re.match(rf"\| {arm} \| \d+\.\d\d% \| \d+\.\d\d% \| ", line)) for arm in arms for line in text.splitlines()) == 2, text
-    assert {f"report/addition_{name}.png" for name in expected} <= set(images)
+    if grid == "credit":  # verdict_credit's table (AUC, final, EV) and its comparisons, judged on too few seeds
+        assert re.search(r"^\| ppo-priv \| 1 \| \d+\.\d \| \d+\.\d \| \d+\.\d \| -?\d\.\d\d \| - \| - \|$", text, re.MULTILINE), text
+        assert re.search(r"^\| reinforce \| 1 \| \d+\.\d \| \d+\.\d \| \d+\.\d \| - \| - \| - \|$", text, re.MULTILINE), text
+        assert "**sort: the oracle is not judged yet**" in text and "| ppo-priv | `sort: --algo ppo --critic-context answer` |" in text
+        assert "**Not judged**: no comparison has 5 paired seeds yet." in text
+    assert {f"report/{task}_{name}.png" for name in expected} <= set(images)
     assert all((report.parent / img).stat().st_size > 1000 for img in images)
     assert (d / f"{grid}-quick" / "report" / "metrics.jsonl.gz").is_file() and (d / ".gitignore").read_text() == "*\n"
 
@@ -260,12 +266,14 @@ def test_verdict_credit_on_hand_made_runs(tmp_path):
     assert "**sort cannot show a credit effect**" in null and null.endswith("**Null result**: no informative comparison on the "
                                                                             "primary endpoint is BETTER or WORSE.")
     assert "not measured" in "\n".join(lab.VERDICTS["credit"](credit_stats()))  # the registered grid's ceiling files do not exist yet
+    few = "\n".join(lab.verdict_credit({"sort": credit_stats()["sort"]}, need=6))
+    assert "**sort: the oracle is not judged yet**" in few and few.endswith("**Not judged**: no comparison has 6 paired seeds yet.")
 
 
 def test_arm_flags_per_task_and_the_unregistered_credit_grid(monkeypatch):
     g = lab.grid_spec("credit", quick=False)
     assert lab.arm_flags(g, "ppo-priv", "walk")[-2:] == ["--critic-context", "env"] and lab.arm_flags(g, "ppo", "sort") == ["--algo", "ppo"]
-    assert lab.flags_text(g["arms"]["ppo-priv"]) == "walk: --algo ppo --critic-context env; sort: --algo ppo --critic-context answer"
+    assert lab.flags_text(g["arms"]["ppo-priv"], g["tasks"]) == "walk: --algo ppo --critic-context env; sort: --algo ppo --critic-context answer"
     q = lab.grid_spec("credit", quick=True)
     assert q["tasks"] == ["sort"] and list(q["arms"]) == ["reinforce", "ppo-priv"] and lab.unregistered(q) == ["hypothesis", "decision_rule"]
     assert lab.unregistered(g) == ["hypothesis", "decision_rule", "steps", "base"]
