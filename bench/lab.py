@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, when imported from elsewhere (tests)
-from lab_stats import NAN, auc, ci95, finite, judge, paired  # noqa: E402
+from lab_stats import NAN, auc, ci95, finite, judge, paired, verdict_credit  # noqa: E402, F401  (lab.judge etc. for notebooks and tests)
 
 ALGOS = {"ppo": ["--algo", "ppo"], "grpo": ["--algo", "grpo", "--n-samples", "8"]}
 MISMATCH_ARMS = {  # appended to each algorithm's flags: arm "<algo>-<label>"
@@ -520,64 +520,9 @@ def verdict_moe(stats):
     return verdict_mismatch(stats, MOE_ARMS, pairs, (("kvfp8-icepop", "kvfp8-none"), ("kvfp8-replay", "kvfp8-none")))
 
 
-CREDIT = (("vine", "reinforce"), ("ppo", "reinforce"), ("ppo-priv", "ppo"), ("ppo", "grpo-n8"))  # (1) is the oracle
-
-
-def load_ceiling(path):
-    """bench/value_ceiling.py's --out JSON (a path relative to the repo), or {} where there is none."""
-    if not path or not os.path.isfile(path := os.path.join(REPO, path)):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
-def verdict_credit(stats, points=2.0, need=5, ceilings=None):
-    """The credit grid's comparisons, per task: paired seed differences (lab_stats.paired) of the AUC of held-out
-    sampled success (primary) and of final sampled success (secondary), judged by lab_stats.judge; the oracle pair
-    first. Beside each arm: its EV over the last 20% of steps (critic's, or vine's Monte Carlo values') against the
-    task's perfect-critic ceiling (ceilings: {task: bench/value_ceiling.py --out JSON, relative to the repo}), GRPO's
-    identical-reward groups and vine's extra tokens. stats: report's {task: {arm: arm_stats(runs)}}."""
-    fmt = lambda x, spec: "-" if not finite(x) else format(x, spec)  # noqa: E731
-    lines, decided, judged = [], [], set()
-    for task, arms in stats.items():
-        seeds = lambda a, key: {s: p[key] for s, p in arms.get(a, {}).get("seeds", {}).items()}  # noqa: E731
-        ceiling = load_ceiling((ceilings or {}).get(task))
-        lines += [f"### {task}", "", "| arm | seeds | AUC sampled | AUC greedy | final sampled | EV last 20% | identical-reward groups "
-                  "| vine extra tokens |", "|---|---|---|---|---|---|---|---|"]
-        for a, c in arms.items():
-            ev = c["vine_ev_last" if finite(c["vine_ev_last"][0]) else "critic_ev_last"][0]
-            lines.append(f"| {a} | {len(c['seeds'])} | {fmt(c['auc_sampled'][0], '.1f')} | {fmt(c['auc_greedy'][0], '.1f')} "
-                         f"| {fmt(c['final_sampled'][0], '.1f')} | {fmt(ev, '.2f')} | {fmt(c['identical'][0], '.1%')} | {fmt(c['vine_extra'][0], '.2f')} |")
-        lines += ["", f"Perfect-critic ceiling (Monte Carlo EV of the start policy, bench/value_ceiling.py): " + (
-            f"{ceiling['perfect']:.2f}; prompt-only {ceiling['prompt_only']:.2f} (`{ceilings[task]}`)." if ceiling else "not measured."), ""]
-        oracle = None
-        judged |= {judge(paired(seeds(a, "auc_sampled"), seeds(b, "auc_sampled"))[1], points, need) != "NOT JUDGED" for a, b in CREDIT}
-        for i, (a, b) in enumerate(CREDIT, 1):
-            for key, kind in (("auc_sampled", "AUC of held-out sampled success"), ("final_sampled", "final sampled success (secondary)")):
-                _, c = paired(seeds(a, key), seeds(b, key))
-                v = judge(c, points, need)
-                oracle = v if i == 1 and key == "auc_sampled" else oracle
-                informative = i == 1 or oracle == "BETTER"
-                if key == "auc_sampled" and informative and v in ("BETTER", "WORSE"):
-                    decided.append(f"{task}: {a} {v} than {b}")
-                diff = f"paired difference {fmt(c[0], '+.1f')} ± {fmt(c[1], '.1f')} points over {c[2]} seeds" if c[2] else "no seeds finished in both arms"
-                lines.append(f"- ({i}) {a} vs {b}, {kind}: **{v}** ({diff})" + ("" if informative else ", uninformative: the oracle is not BETTER"))
-            if i == 1 and oracle == "NOT JUDGED":
-                lines.append(f"- **{task}: the oracle is not judged yet** (under {need} paired seeds): comparisons 2-4 on it are "
-                             "uninformative until it is (printed below for the record).")
-            elif i == 1 and oracle != "BETTER":
-                lines.append(f"- **{task} cannot show a credit effect**: vine (the oracle) is not BETTER than reinforce ({oracle}); "
-                             "comparisons 2-4 on it are uninformative (printed below for the record).")
-        lines.append("")
-    if decided:
-        return lines + [f"Decisive comparisons (primary endpoint, informative tasks): {'; '.join(decided)}."]
-    return lines + (["**Null result**: no informative comparison on the primary endpoint is BETTER or WORSE."] if True in judged
-                    else [f"**Not judged**: no comparison has {need} paired seeds yet."])
-
-
 VERDICTS = {"mismatch": verdict_mismatch, "moe": verdict_moe, "horizon": verdict_horizon, "multi-turn": verdict_multi_turn, "guess-learns": verdict_guess_learns,
             "guess-learns-rep": verdict_guess_learns, "guess-learns-300": lambda stats: verdict_guess_learns(stats, need=5),
-            "credit": lambda stats: verdict_credit(stats, GRIDS["credit"]["points"], GRIDS["credit"]["need"], GRIDS["credit"]["ceilings"])}
+            "credit": lambda stats: verdict_credit(stats, GRIDS["credit"]["points"], GRIDS["credit"]["need"], GRIDS["credit"]["ceilings"], REPO)}
 
 
 def plots(g, runs, task, out_dir):

@@ -4,7 +4,9 @@ differences between two arms and the verdict on one such difference. Standard li
     from lab_stats import auc, ci95, judge, paired    # from bench/, or with bench/ on sys.path
 """
 
+import json
 import math
+import os
 
 # two-sided 95% t quantiles t_{0.975, df}, df = 1..30
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -54,3 +56,59 @@ def judge(c, points=2.0, need=5):
     if mean <= -points and mean + hw < 0:
         return "WORSE"
     return "NULL"
+
+
+CREDIT = (("vine", "reinforce"), ("ppo", "reinforce"), ("ppo-priv", "ppo"), ("ppo", "grpo-n8"))  # (1) is the oracle
+
+
+def load_ceiling(path):
+    """bench/value_ceiling.py's --out JSON, or {} where there is none."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def verdict_credit(stats, points=2.0, need=5, ceilings=None, root=""):
+    """The credit grid's comparisons, per task: paired seed differences (lab_stats.paired) of the AUC of held-out
+    sampled success (primary) and of final sampled success (secondary), judged by lab_stats.judge; the oracle pair
+    first. Beside each arm: its EV over the last 20% of steps (critic's, or vine's Monte Carlo values') against the
+    task's perfect-critic ceiling (ceilings: {task: path of bench/value_ceiling.py's --out JSON, under root}), GRPO's
+    identical-reward groups and vine's extra tokens. stats: {task: {arm: bench/lab.py's arm_stats(runs)}}, the ci95
+    triples of run_stats' keys and "seeds": {seed: run_stats(run)}."""
+    fmt = lambda x, spec: "-" if not finite(x) else format(x, spec)  # noqa: E731
+    lines, decided, judged = [], [], set()
+    for task, arms in stats.items():
+        seeds = lambda a, key: {s: p[key] for s, p in arms.get(a, {}).get("seeds", {}).items()}  # noqa: E731
+        ceiling = load_ceiling(os.path.join(root, (ceilings or {})[task])) if task in (ceilings or {}) else {}
+        lines += [f"### {task}", "", "| arm | seeds | AUC sampled | AUC greedy | final sampled | EV last 20% | identical-reward groups "
+                  "| vine extra tokens |", "|---|---|---|---|---|---|---|---|"]
+        for a, c in arms.items():
+            ev = c["vine_ev_last" if finite(c["vine_ev_last"][0]) else "critic_ev_last"][0]
+            lines.append(f"| {a} | {len(c['seeds'])} | {fmt(c['auc_sampled'][0], '.1f')} | {fmt(c['auc_greedy'][0], '.1f')} "
+                         f"| {fmt(c['final_sampled'][0], '.1f')} | {fmt(ev, '.2f')} | {fmt(c['identical'][0], '.1%')} | {fmt(c['vine_extra'][0], '.2f')} |")
+        lines += ["", "Perfect-critic ceiling (Monte Carlo EV of the start policy, bench/value_ceiling.py): " + (
+            f"{ceiling['perfect']:.2f}; prompt-only {ceiling['prompt_only']:.2f} (`{ceilings[task]}`)." if ceiling else "not measured."), ""]
+        oracle = None
+        judged |= {judge(paired(seeds(a, "auc_sampled"), seeds(b, "auc_sampled"))[1], points, need) != "NOT JUDGED" for a, b in CREDIT}
+        for i, (a, b) in enumerate(CREDIT, 1):
+            for key, kind in (("auc_sampled", "AUC of held-out sampled success"), ("final_sampled", "final sampled success (secondary)")):
+                _, c = paired(seeds(a, key), seeds(b, key))
+                v = judge(c, points, need)
+                oracle = v if i == 1 and key == "auc_sampled" else oracle
+                informative = i == 1 or oracle == "BETTER"
+                if key == "auc_sampled" and informative and v in ("BETTER", "WORSE"):
+                    decided.append(f"{task}: {a} {v} than {b}")
+                diff = f"paired difference {fmt(c[0], '+.1f')} ± {fmt(c[1], '.1f')} points over {c[2]} seeds" if c[2] else "no seeds finished in both arms"
+                lines.append(f"- ({i}) {a} vs {b}, {kind}: **{v}** ({diff})" + ("" if informative else ", uninformative: the oracle is not BETTER"))
+            if i == 1 and oracle == "NOT JUDGED":
+                lines.append(f"- **{task}: the oracle is not judged yet** (under {need} paired seeds): comparisons 2-4 on it are "
+                             "uninformative until it is (printed below for the record).")
+            elif i == 1 and oracle != "BETTER":
+                lines.append(f"- **{task} cannot show a credit effect**: vine (the oracle) is not BETTER than reinforce ({oracle}); "
+                             "comparisons 2-4 on it are uninformative (printed below for the record).")
+        lines.append("")
+    if decided:
+        return lines + [f"Decisive comparisons (primary endpoint, informative tasks): {'; '.join(decided)}."]
+    return lines + (["**Null result**: no informative comparison on the primary endpoint is BETTER or WORSE."] if True in judged
+                    else [f"**Not judged**: no comparison has {need} paired seeds yet."])

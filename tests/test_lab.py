@@ -107,7 +107,7 @@ def test_quick_report(runs, grid):
     assert len(re.findall(rf"^\[\d/{len(arms) * n}\] done {task}/", stdout[grid], re.MULTILINE)) == len(arms) * n, stdout[grid]
     cell = r"\d+\.\d ± \d+\.\d" if n > 1 else r"\d+\.\d"  # the 95% interval needs 2 seeds
     for arm in arms:  # one row per arm, its seeds, accuracies (with an interval)
-        rows = [line for line in text.splitlines() if line.startswith(f"| {arm} | {n} | ")]
+        rows = [line for line in text.split("## Verdict")[0].splitlines() if line.startswith(f"| {arm} | {n} | ")]
         assert len(rows) == 1 and re.match(rf"\| {re.escape(arm)} \| {n} \| {cell} \| {cell} \| {cell} \|", rows[0]), text
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
     expected = ["accuracy", "k3", "masked", "grad_norm", "ev", "ev_per_position"] + (["identical_reward_groups"] if grid == "horizon" else [])
