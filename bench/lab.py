@@ -4,6 +4,7 @@
     .venv/bin/python bench/lab.py mismatch                # the whole grid (finished runs are skipped)
     .venv/bin/python bench/lab.py horizon --quick         # smoke run: 2 seeds, 2 arms, 4 steps; report under lab_runs/
     .venv/bin/python bench/lab.py multi-turn              # --task guess: PPO with a critic vs GRPO, 5 seeds
+    .venv/bin/python bench/lab.py credit --quick          # smoke run of issue 22's credit grid (refused without --quick until registered)
     .venv/bin/python bench/lab.py mismatch --only-report  # rebuild docs/lab/mismatch.md, e.g. from docs/lab/mismatch/metrics.jsonl.gz
 
 Each (task, arm, seed) is a normal run folder <runs-dir>/<grid>/<task>/<arm>/seed<k> written by one single-process
@@ -18,7 +19,6 @@ import argparse
 import gzip
 import hashlib
 import json
-import math
 import os
 import re
 import shlex
@@ -233,6 +233,8 @@ KEEP = ("eval/greedy_acc", "eval/sampled_acc", "mismatch/k3", "mismatch/masked_f
         "mismatch/ratio_max", "mismatch/ratio_p999",
         "mismatch/masked_frac_high", "ppo/grad_norm", "ppo/entropy", "critic/explained_variance", "grpo/identical_reward_frac",
         "rollout/turns_mean", "vine/explained_variance", "vine/extra_token_ratio")
+
+
 def grid_spec(name, quick):
     """The grid, or its quick variant (the quick dict's keys replace the grid's; arms: a list of labels or a dict)."""
     g = dict(GRIDS[name])
