@@ -81,12 +81,13 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None, root=""):
     for task, arms in stats.items():
         seeds = lambda a, key: {s: p[key] for s, p in arms.get(a, {}).get("seeds", {}).items()}  # noqa: E731
         ceiling = load_ceiling(os.path.join(root, (ceilings or {})[task])) if task in (ceilings or {}) else {}
-        lines += [f"### {task}", "", "| arm | seeds | AUC sampled | AUC greedy | final sampled | EV last 20% | identical-reward groups "
+        lines += [f"### {task}", "", "| arm | seeds | AUC sampled | AUC greedy | final sampled | EV last 20% (/ ceiling) | identical-reward groups "
                   "| vine extra tokens |", "|---|---|---|---|---|---|---|---|"]
         for a, c in arms.items():
             ev = c["vine_ev_last" if finite(c["vine_ev_last"][0]) else "critic_ev_last"][0]
+            ev = fmt(ev, ".2f") + (f" / {ceiling['perfect']:.2f}" if ceiling and finite(ev) else "")  # against the ceiling
             lines.append(f"| {a} | {len(c['seeds'])} | {fmt(c['auc_sampled'][0], '.1f')} | {fmt(c['auc_greedy'][0], '.1f')} "
-                         f"| {fmt(c['final_sampled'][0], '.1f')} | {fmt(ev, '.2f')} | {fmt(c['identical'][0], '.1%')} | {fmt(c['vine_extra'][0], '.2f')} |")
+                         f"| {fmt(c['final_sampled'][0], '.1f')} | {ev} | {fmt(c['identical'][0], '.1%')} | {fmt(c['vine_extra'][0], '.2f')} |")
         lines += ["", "Perfect-critic ceiling (Monte Carlo EV of the start policy, bench/value_ceiling.py): " + (
             f"{ceiling['perfect']:.2f}; prompt-only {ceiling['prompt_only']:.2f} (`{ceilings[task]}`)." if ceiling else "not measured."), ""]
         oracle = None

@@ -254,7 +254,7 @@ def test_verdict_credit_on_hand_made_runs(tmp_path):
     assert f"(3) ppo-priv vs ppo, {auc}: **NOT JUDGED** (paired difference +18.5 ± " in walk and "over 4 seeds)" in walk
     assert f"(4) ppo vs grpo-n8, {auc}: **BETTER** (paired difference +5.5 ± 0.5 points over 5 seeds)" in walk  # 1.5 + 4 + 125 j
     assert "cannot show" not in walk and "uninformative" not in walk
-    assert "| vine | 5 | 37.0 | 37.0 | 37.0 | 0.60 | - | 3.00 |" in walk and "| ppo | 5 | 33.5 | 33.5 | 38.0 | 0.40 | - | - |" in walk
+    assert "| vine | 5 | 37.0 | 37.0 | 37.0 | 0.60 / 0.55 | - | 3.00 |" in walk and "| ppo | 5 | 33.5 | 33.5 | 38.0 | 0.40 / 0.55 | - | - |" in walk
     assert "| grpo-n8 | 5 | 28.0 | 28.0 | 28.0 | - | 25.0% | - |" in walk and "bench/value_ceiling.py): 0.55; prompt-only 0.10" in walk
     assert re.search(r"\(1\) vine vs reinforce, AUC [^\n]*: \*\*NULL\*\* \(paired difference [+-]0\.0 ± 2\.0 points over 5 seeds\)", sort)  # sd 1.58
     assert f"(4) ppo vs grpo-n8, {auc}: **NOT JUDGED** (no seeds finished in both arms), uninformative" in sort
@@ -278,6 +278,7 @@ def test_arm_flags_per_task_and_the_unregistered_credit_grid(monkeypatch):
     assert q["tasks"] == ["sort"] and list(q["arms"]) == ["reinforce", "ppo-priv"] and lab.unregistered(q) == ["hypothesis", "decision_rule"]
     assert lab.unregistered(g) == ["hypothesis", "decision_rule", "steps", "base"]
     assert all(lab.unregistered(lab.GRIDS[n]) == [] for n in lab.GRIDS if n != "credit")
+    assert all(lab.grid_spec(n, quick) for n in lab.GRIDS for quick in (False, True))  # every arm covers its grid's tasks
     monkeypatch.setattr(lab.sys, "argv", ["lab.py", "credit"])
     with pytest.raises(SystemExit, match="grid credit is not registered: hypothesis, decision_rule, steps, base still hold TODO"):
         lab.main()
