@@ -4,6 +4,7 @@
     .venv/bin/python bench/lab.py mismatch                # the whole grid (finished runs are skipped)
     .venv/bin/python bench/lab.py horizon --quick         # smoke run: 2 seeds, 2 arms, 4 steps; report under lab_runs/
     .venv/bin/python bench/lab.py multi-turn              # --task guess: PPO with a critic vs GRPO, 5 seeds
+    .venv/bin/python bench/lab.py credit --quick          # smoke run of issue 22's credit grid (refused without --quick until registered)
     .venv/bin/python bench/lab.py mismatch --only-report  # rebuild docs/lab/mismatch.md, e.g. from docs/lab/mismatch/metrics.jsonl.gz
 
 Each (task, arm, seed) is a normal run folder <runs-dir>/<grid>/<task>/<arm>/seed<k> written by one single-process
@@ -18,7 +19,6 @@ import argparse
 import gzip
 import hashlib
 import json
-import math
 import os
 import re
 import shlex
@@ -26,6 +26,9 @@ import shutil
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, when imported from elsewhere (tests)
+from lab_stats import NAN, auc, ci95, finite, judge, paired, verdict_credit  # noqa: E402, F401  (lab.judge etc. for notebooks and tests)
 
 ALGOS = {"ppo": ["--algo", "ppo"], "grpo": ["--algo", "grpo", "--n-samples", "8"]}
 MISMATCH_ARMS = {  # appended to each algorithm's flags: arm "<algo>-<label>"
@@ -199,29 +202,37 @@ GRIDS["guess-learns-300"] = {
     "base": ["--rollout-batch", "64", "--engine-dtype", "fp32", "--max-turns", "6", "--eval-every", "100", "--eval-size", "500",
              "--save-every", "50", "--keep-checkpoints", "1"],
 }
+# Issue 22's credit grid. The machinery is built; the lead writes the hypothesis, the decision rule and the sizes (every
+# TODO(lead)) and commits them before its first run: until then bench/lab.py credit refuses to run (only --quick runs).
+TODO = "TODO(lead)"
+GRIDS["credit"] = {
+    "hypothesis": f"{TODO}: the hypothesis, written and committed before the first run.",
+    "decision_rule": f"{TODO}: the rule. Built so far (verdict_credit): per task, on the primary endpoint (the AUC of held-out sampled "
+    "success: its trapezoid mean from step 0 to the last step, in points), paired over the seeds finished in both arms: (1) the oracle "
+    "first, vine vs reinforce; if vine is not BETTER the task cannot show a credit effect and comparisons 2-4 on it are uninformative; "
+    "(2) ppo vs reinforce; (3) ppo-priv vs ppo; (4) ppo vs grpo-n8. BETTER: the mean paired difference is at least `points` and its "
+    "95% t-interval excludes 0; WORSE: at most -`points` and the interval excludes 0; otherwise NULL; fewer than `need` paired seeds: "
+    "NOT JUDGED. Secondary (reported, not decisive): the same on final sampled success.",
+    "tasks": ["walk", "sort"],
+    "seeds": list(range(10)),  # paired: seed k gives every arm the same prompt order and sampling seeds
+    "steps": {"walk": TODO, "sort": TODO},  # set before running, never after seeing results
+    "base": ["--rollout-batch", "64", "--engine-dtype", "fp32", "--correction", "none", "--eval-every", TODO, "--eval-size", TODO,
+             "--save-every", TODO, "--keep-checkpoints", "1"],
+    "arms": {"grpo-n8": ["--algo", "grpo", "--n-samples", "8"], "ppo": ["--algo", "ppo"],  # 64 rollouts per step in every arm
+             "ppo-priv": {"walk": ["--algo", "ppo", "--critic-context", "env"], "sort": ["--algo", "ppo", "--critic-context", "answer"]},
+             "vine": ["--algo", "vine", "--vine-k", "4"], "reinforce": ["--algo", "reinforce"]},
+    "core": ["vine", "reinforce"],  # the oracle comparison first: it says whether a task can show an effect at all
+    "points": 2.0, "need": 5,  # verdict_credit's thresholds (lab_stats.judge)
+    "ceilings": {t: f"docs/lab/credit/ceiling_{t}.json" for t in ("walk", "sort")},  # bench/value_ceiling.py --out, start policy
+    "quick": {**QUICK, "tasks": ["sort"], "arms": ["reinforce", "ppo-priv"], "base": QUICK["base"] + ["--engine-dtype", "fp32", "--correction", "none"]},
+}
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train_ppo.py")
 KEEP = ("eval/greedy_acc", "eval/sampled_acc", "mismatch/k3", "mismatch/masked_frac_low", "moe/flip_frac", "moe/flip_any_layer_frac",
         "mismatch/ratio_max", "mismatch/ratio_p999",
         "mismatch/masked_frac_high", "ppo/grad_norm", "ppo/entropy", "critic/explained_variance", "grpo/identical_reward_frac",
-        "rollout/turns_mean")
-# two-sided 95% t quantiles t_{0.975, df}, df = 1..30 (scipy is not a dependency)
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-NAN = float("nan")
-finite = lambda v: isinstance(v, (int, float)) and v == v  # noqa: E731  (not None, not NaN)
-
-
-def ci95(values):
-    """(mean, half-width of the 95% t-interval of the mean, n) over the non-NaN values; half-width NaN below 2."""
-    v = [x for x in values if finite(x)]
-    n = len(v)
-    mean = sum(v) / n if n else NAN
-    if n < 2:
-        return mean, NAN, n
-    t = T975[n - 2] if n <= 31 else 1.96 + (1.96**3 + 1.96) / (4 * (n - 1))  # Cornish-Fisher beyond the table
-    return mean, t * math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1) / n), n
+        "rollout/turns_mean", "vine/explained_variance", "vine/extra_token_ratio")
 
 
 def grid_spec(name, quick):
@@ -233,7 +244,27 @@ def grid_spec(name, quick):
         g.update({k: v for k, v in q.items() if k != "arms"})
         g["arms"] = arms if isinstance(arms, dict) else {a: g["arms"][a] for a in arms}
         g["core"] = [a for a in g.get("core", []) if a in g["arms"]]
+    for a, f in g["arms"].items():  # an arm's flags: one list for every task, or a dict {task: flags}
+        if isinstance(f, dict) and (missing := [t for t in g["tasks"] if t not in f]):
+            raise ValueError(f"grid {name}: arm {a} has no flags for task(s) {missing} (its dict has {sorted(f)})")
     return g
+
+
+def arm_flags(g, arm, task):
+    """The train_ppo.py flags of an arm on a task: its list, or its dict's entry for the task."""
+    f = g["arms"][arm]
+    return f[task] if isinstance(f, dict) else f
+
+
+def flags_text(f, tasks):
+    """An arm's flags for the report: the list, or each of the grid's tasks with its own."""
+    return "; ".join(f"{t}: {shlex.join(f[t])}" for t in tasks) if isinstance(f, dict) else shlex.join(f)
+
+
+def unregistered(g):
+    """The fields of a grid spec still holding the lead's placeholder: a grid with any is never run (its rule must
+    be written and committed before its first run)."""
+    return [k for k in ("hypothesis", "decision_rule", "steps", "base") if TODO in json.dumps(g.get(k))]
 
 
 def steps_of(g, task):
@@ -330,7 +361,7 @@ def run_all(g, root, todo, jobs, stored=()):
                 os.makedirs(d, exist_ok=True)
                 clear_unsaved(d)
                 cmd = [sys.executable, TRAIN, "--out-dir", d, "--seed", str(seed), "--task", task,
-                       "--steps", str(steps_of(g, task)), *g["base"], *g["arms"][arm]]
+                       "--steps", str(steps_of(g, task)), *g["base"], *arm_flags(g, arm, task)]
                 with open(os.path.join(d, "log.txt"), "a") as log:
                     log.write(f"\n$ {shlex.join(cmd)}\n")
                     log.flush()
@@ -389,8 +420,9 @@ def load_compact(path):
 
 
 def run_stats(run):
-    """The table's per-run numbers: accuracies in points; k3 over the first / last 20% of steps; masked fractions
-    over all steps; EV over steps 51-80."""
+    """The table's per-run numbers: accuracies in points; AUC: the mean held-out success over training (lab_stats.auc);
+    k3 over the first / last 20% of steps; masked fractions over all steps; EV over steps 51-80 and, for the credit
+    grid, the critic's or vine's over the last 20%; identical-reward groups and vine's extra tokens over all steps."""
     rows, S = run["rows"], run["steps"]
     ev, w = [r for r in rows if "eval/greedy_acc" in r], max(1, round(0.2 * S))
 
@@ -404,7 +436,15 @@ def run_stats(run):
             "ev_51_80": mean("critic/explained_variance", 51, 80), "pretrain": run.get("pretrain_steps", 0),
             "flips": mean("moe/flip_frac", 1, S), "flips_any": mean("moe/flip_any_layer_frac", 1, S), "ratio_p999": mean("mismatch/ratio_p999", 1, S),
             "ratio_max": max([r["mismatch/ratio_max"] for r in rows if finite(r.get("mismatch/ratio_max"))], default=NAN),
-            "grad_norm": mean("ppo/grad_norm", 1, S)}
+            "grad_norm": mean("ppo/grad_norm", 1, S), "auc_sampled": auc(ev, "eval/sampled_acc", S), "auc_greedy": auc(ev, "eval/greedy_acc", S),
+            "critic_ev_last": mean("critic/explained_variance", S - w + 1, S), "vine_ev_last": mean("vine/explained_variance", S - w + 1, S),
+            "identical": mean("grpo/identical_reward_frac", 1, S), "vine_extra": mean("vine/extra_token_ratio", 1, S)}
+
+
+def arm_stats(runs):
+    """One arm's runs on one task: {run_stats key: ci95 triple over its seeds, "seeds": {seed: run_stats(run)}}."""
+    per = {r["seed"]: run_stats(r) for r in runs}
+    return {**{k: ci95([p[k] for p in per.values()]) for k in next(iter(per.values()), {})}, "seeds": per}
 
 
 def compare(a, b, points=5.0):
@@ -483,7 +523,8 @@ def verdict_moe(stats):
 
 
 VERDICTS = {"mismatch": verdict_mismatch, "moe": verdict_moe, "horizon": verdict_horizon, "multi-turn": verdict_multi_turn, "guess-learns": verdict_guess_learns,
-            "guess-learns-rep": verdict_guess_learns, "guess-learns-300": lambda stats: verdict_guess_learns(stats, need=5)}
+            "guess-learns-rep": verdict_guess_learns, "guess-learns-300": lambda stats: verdict_guess_learns(stats, need=5),
+            "credit": lambda stats: verdict_credit(stats, GRIDS["credit"]["points"], GRIDS["credit"]["need"], GRIDS["credit"]["ceilings"], REPO)}
 
 
 def plots(g, runs, task, out_dir):
@@ -538,7 +579,7 @@ def plots(g, runs, task, out_dir):
 
     files = figure("accuracy", ["eval/greedy_acc", "eval/sampled_acc"], 1, samples=True) + figure("k3", ["mismatch/k3"], logy=True)
     files += figure("masked", ["mismatch/masked_frac_low", "mismatch/masked_frac_high"]) + figure("grad_norm", ["ppo/grad_norm"])
-    files += figure("entropy", ["ppo/entropy"]) + figure("ev", ["critic/explained_variance"])
+    files += figure("entropy", ["ppo/entropy"]) + figure("ev", ["critic/explained_variance", "vine/explained_variance"])
     files += figure("identical_reward_groups", ["grpo/identical_reward_frac"])
     files += figure("routing", ["moe/flip_frac", "moe/flip_any_layer_frac"]) + figure("ratio_tail", ["mismatch/ratio_p999", "mismatch/ratio_max"])
     labels = sorted({k for rs in by_arm.values() for r in rs for row in r["rows"] for k in row if k.startswith("critic/ev_pos_")},
@@ -570,7 +611,7 @@ def report(name, g, runs, meta, md_path, asset_dir, quick, n_aside=0):
            f"Each run: `python train_ppo.py --out-dir <runs-dir>/{name}/<task>/<arm>/seed<k> --seed <k> --task <task> --steps <steps> <base> <arm flags>`;"
            f" steps {g['steps']}, seeds {g['seeds']}, tasks {g['tasks']}.", "", f"Base flags: `{shlex.join(g['base'])}`", "",
            "| arm | flags | seeds finished (all tasks) |", "|---|---|---|"]
-    out += [f"| {a} | `{shlex.join(f)}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |" for a, f in g["arms"].items()]
+    out += [f"| {a} | `{flags_text(f, g['tasks'])}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |" for a, f in g["arms"].items()]
     fps = {t: sorted({str(r.get("start_model")) for r in runs if r["task"] == t}) for t in g["tasks"]}
     out += ["", "Start model per task (sha256 of its weights, 16 hex digits; None: a run from before fingerprints): "
             + "; ".join(f"{t} {', '.join(f)}" for t, f in fps.items() if f) + "."]
@@ -584,18 +625,17 @@ def report(name, g, runs, meta, md_path, asset_dir, quick, n_aside=0):
             "pretraining steps (seed mean), whose rollouts are not counted in the samples seen."]
     for old in [f for f in os.listdir(asset_dir) if f.endswith(".png")]:  # no stale plots of arms or tasks since removed
         os.remove(os.path.join(asset_dir, old))
-    cols = ["final_greedy", "gain_greedy", "gain_sampled", "best_greedy", "final_sampled", "k3_first", "k3_last", "masked_low", "masked_high",
-            "ev_51_80", "pretrain", "flips", "flips_any", "ratio_p999", "ratio_max", "grad_norm"]
     stats = {}
     for task in g["tasks"]:
         out += ["", f"## {task}", "", "| arm | seeds | final greedy | best greedy | final sampled | k3 first 20% | k3 last 20% | masked low "
                 "| masked high | EV 51-80 | pretrain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for a in g["arms"]:
-            per = [run_stats(r) for r in runs if r["task"] == task and r["arm"] == a]
-            c = {k: ci95([p[k] for p in per]) for k in cols}
-            if per:
-                stats.setdefault(task, {})[a] = c
-            out.append(f"| {a} | {len(per)} | {ci(c['final_greedy'])} | {ci(c['best_greedy'])} | {ci(c['final_sampled'])} | {fmt(c['k3_first'][0], '.2e')} "
+            c = arm_stats([r for r in runs if r["task"] == task and r["arm"] == a])
+            if not c["seeds"]:
+                out.append(f"| {a} | 0 |" + " - |" * 9)
+                continue
+            stats.setdefault(task, {})[a] = c
+            out.append(f"| {a} | {len(c['seeds'])} | {ci(c['final_greedy'])} | {ci(c['best_greedy'])} | {ci(c['final_sampled'])} | {fmt(c['k3_first'][0], '.2e')} "
                        f"| {fmt(c['k3_last'][0], '.2e')} | {fmt(c['masked_low'][0], '.3%')} | {fmt(c['masked_high'][0], '.3%')} "
                        f"| {fmt(c['ev_51_80'][0], '.2f')} | {fmt(c['pretrain'][0], '.0f')} |")
         if g.get("moe") and task in stats:  # routing and the ratio's tail: seed means of per-run values
@@ -633,6 +673,9 @@ def main():
                    "out of the grid (into set-aside.jsonl.gz beside its metrics) instead of refusing to run")
     args = p.parse_args()
     g = grid_spec(args.grid, args.quick)
+    if not args.quick and (todo := unregistered(g)):
+        sys.exit(f"grid {args.grid} is not registered: {', '.join(todo)} still hold {TODO}. Write them and commit before the first "
+                 "run (--quick runs the smoke variant)")
     root = os.path.abspath(os.path.join(args.runs_dir, args.grid + ("-quick" if args.quick else "")))
     md_path, asset_dir = (f"{root}/report.md", f"{root}/report") if args.quick else (f"{REPO}/docs/lab/{args.grid}.md", f"{REPO}/docs/lab/{args.grid}")
     compact, aside = os.path.join(asset_dir, "metrics.jsonl.gz"), os.path.join(asset_dir, "set-aside.jsonl.gz")

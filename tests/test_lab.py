@@ -26,8 +26,9 @@ def run_lab(*args):
 # The smallest runs that exercise every part. mismatch: one arm over 2 seeds (4 steps each), the runs the skip, resume,
 # only-report and set-aside tests reuse, and the interval cells (which need 2 seeds). horizon (a GRPO arm: the
 # identical-reward plot) and moe (the routing table and plots): both arms, one seed, for the parts of the report only
-# they have and the rows of several arms. 6 runs.
-GRIDS = {"mismatch": (["ppo-int4-icepop"], [0, 1]), "horizon": (None, [0]), "moe": (None, [0])}
+# they have and the rows of several arms; credit (sort, a per-task arm, a critic-free arm, verdict_credit's table): both
+# arms, one seed. 8 runs.
+GRIDS = {"mismatch": (["ppo-int4-icepop"], [0, 1]), "horizon": (None, [0]), "moe": (None, [0]), "credit": (None, [0])}
 
 
 def selection(grid):
@@ -81,17 +82,20 @@ def test_a_failed_run_is_reported_with_its_log_and_does_not_stop_the_others(tmp_
                     "if a['--seed'] == '0': sys.exit(print('boom: ' + a['--task']) or 3)\n"
                     "open(os.path.join(a['--out-dir'], 'metrics.jsonl'), 'w').write(json.dumps({'step': 2, 'eval/greedy_acc': 0.5}) + '\\n')\n")
     monkeypatch.setattr(lab, "TRAIN", str(fake))
-    g = {"steps": 2, "base": [], "arms": {"a": [], "b": []}}
+    g = {"steps": 2, "base": [], "arms": {"a": [], "b": {"addition": ["--x", "1"], "sort": ["--y", "2"]}}}  # b: flags per task
     jobs = [("addition", "a", 0), ("addition", "b", 0), ("addition", "a", 1), ("sort", "b", 1)]
     failed = lab.run_all(g, str(tmp_path / "runs"), jobs, jobs=2)
     out = capsys.readouterr().out
     assert sorted(failed) == ["addition/a/seed0", "addition/b/seed0"] and "boom: addition" in failed["addition/b/seed0"]
     assert "FAILED addition/a/seed0 (exit 3)" in out and "done addition/a/seed1: final greedy acc 50.0%" in out and "done sort/b/seed1" in out
     assert lab.finished(str(tmp_path / "runs/sort/b/seed1"), 2) and not lab.finished(str(tmp_path / "runs/addition/a/seed0"), 2)
+    cmds = {k: (tmp_path / f"runs/{k}/log.txt").read_text().splitlines()[1] for k in ("sort/b/seed1", "addition/b/seed0", "addition/a/seed1")}
+    assert cmds["sort/b/seed1"].endswith("--task sort --steps 2 --y 2") and cmds["addition/b/seed0"].endswith("--steps 2 --x 1")
+    assert cmds["addition/a/seed1"].endswith("--steps 2")
 
 
 @pytest.mark.lab
-@pytest.mark.parametrize("grid", ["mismatch", "horizon", "moe"])
+@pytest.mark.parametrize("grid", ["mismatch", "horizon", "moe", "credit"])
 def test_quick_report(runs, grid):
     d, stdout = runs
     g = lab.grid_spec(grid, quick=True)
@@ -99,18 +103,23 @@ def test_quick_report(runs, grid):
     text = report.read_text()
     assert g["hypothesis"] in text and g["decision_rule"] in text and "## Verdict" in text
     arms, seeds = GRIDS[grid]
-    arms, n = arms or list(g["arms"]), len(seeds)
-    assert len(re.findall(rf"^\[\d/{len(arms) * n}\] done addition/", stdout[grid], re.MULTILINE)) == len(arms) * n, stdout[grid]
+    arms, n, task = arms or list(g["arms"]), len(seeds), g["tasks"][0]
+    assert len(re.findall(rf"^\[\d/{len(arms) * n}\] done {task}/", stdout[grid], re.MULTILINE)) == len(arms) * n, stdout[grid]
     cell = r"\d+\.\d ± \d+\.\d" if n > 1 else r"\d+\.\d"  # the 95% interval needs 2 seeds
     for arm in arms:  # one row per arm, its seeds, accuracies (with an interval)
-        rows = [line for line in text.splitlines() if line.startswith(f"| {arm} | {n} | ")]
+        rows = [line for line in text.split("## Verdict")[0].splitlines() if line.startswith(f"| {arm} | {n} | ")]
         assert len(rows) == 1 and re.match(rf"\| {re.escape(arm)} \| {n} \| {cell} \| {cell} \| {cell} \|", rows[0]), text
     images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
     expected = ["accuracy", "k3", "masked", "grad_norm", "ev", "ev_per_position"] + (["identical_reward_groups"] if grid == "horizon" else [])
     expected += ["routing", "ratio_tail"] if grid == "moe" else []
     if grid == "moe":  # the routing table: one row per arm
         assert sum(bool(re.match(rf"\| {arm} \| \d+\.\d\d% \| \d+\.\d\d% \| ", line)) for arm in arms for line in text.splitlines()) == 2, text
-    assert {f"report/addition_{name}.png" for name in expected} <= set(images)
+    if grid == "credit":  # verdict_credit's table (AUC, final, EV) and its comparisons, judged on too few seeds
+        assert re.search(r"^\| ppo-priv \| 1 \| \d+\.\d \| \d+\.\d \| \d+\.\d \| -?\d\.\d\d \| - \| - \|$", text, re.MULTILINE), text
+        assert re.search(r"^\| reinforce \| 1 \| \d+\.\d \| \d+\.\d \| \d+\.\d \| - \| - \| - \|$", text, re.MULTILINE), text
+        assert "**sort: the oracle is not judged yet**" in text and "| ppo-priv | `sort: --algo ppo --critic-context answer` |" in text
+        assert "**Not judged**: no comparison has 5 paired seeds yet." in text
+    assert {f"report/{task}_{name}.png" for name in expected} <= set(images)
     assert all((report.parent / img).stat().st_size > 1000 for img in images)
     assert (d / f"{grid}-quick" / "report" / "metrics.jsonl.gz").is_file() and (d / ".gitignore").read_text() == "*\n"
 
@@ -185,3 +194,94 @@ def test_guess_learns_300_is_judged_only_with_all_five_seeds():
     assert "not evaluated" in lab.VERDICTS["guess-learns-300"](stats(4))[0]
     assert "RL LEARNS" in lab.VERDICTS["guess-learns-300"](stats(5))[0]
     assert "RL LEARNS" in lab.VERDICTS["guess-learns-rep"](stats(2))[0]  # the earlier grids keep their 2-seed floor
+
+
+def test_auc_is_the_trapezoid_mean_success_from_step_0():
+    rows = [{"step": 0, "eval/sampled_acc": 0.2}, {"step": 5}, {"step": 10, "eval/sampled_acc": 0.4}, {"step": 40, "eval/sampled_acc": 0.1}]
+    assert lab.auc(rows, "eval/sampled_acc", 40) == pytest.approx(100 * (10 * 0.3 + 30 * 0.25) / 40)  # 26.25: uneven steps weighted
+    assert lab.auc(rows[:1] + rows[-1:], "eval/sampled_acc", 40) == pytest.approx(15.0)
+    with pytest.raises(ValueError, match="step 0 and at the last step 40"):  # no evaluation at step 0
+        lab.auc(rows[2:], "eval/sampled_acc", 40)
+    with pytest.raises(ValueError, match="last step 50"):  # the curve stops before the run's last step
+        lab.auc(rows, "eval/sampled_acc", 50)
+
+
+def test_paired_differences_and_their_verdict():
+    d, c = lab.paired({0: 10.0, 1: 12.0, 2: 14.0, 3: 9.0}, {0: 8.0, 1: 9.0, 2: 10.0, 4: 50.0, 3: float("nan")})
+    assert d == {0: 2.0, 1: 3.0, 2: 4.0} and c[0] == 3.0 and c[2] == 3 and c[1] == pytest.approx(4.303 / math.sqrt(3))  # sd 1
+    assert lab.judge(c, points=2.0, need=3) == "BETTER" and lab.judge(c, points=2.0, need=5) == "NOT JUDGED"
+    assert lab.judge((-3.0, 1.0, 5)) == "WORSE" and lab.judge((-3.0, 3.5, 5)) == "NULL" == lab.judge((3.0, 3.5, 5))  # interval reaches 0
+    assert lab.judge((1.9, 0.5, 5)) == "NULL" and lab.judge((2.0, 1.9, 5)) == "BETTER"  # under `points`; at it
+
+
+def credit_run(seed, y0, y5, y10, **train):
+    """A hand-made 10-step run: held-out success (sampled = greedy) y0, y5, y10 at steps 0, 5, 10, so its AUC is
+    25 * (y0 + 2 * y5 + y10) points; train: {metric: value at steps 1-8, value at steps 9-10 (the last 20%)}."""
+    rows = [{"step": 0, "eval/sampled_acc": y0, "eval/greedy_acc": y0}]
+    for s in range(1, 11):
+        rows.append({"step": s, **{k: v[s >= 9] for k, v in train.items()}})
+        if s in (5, 10):
+            rows[-1].update({"eval/sampled_acc": y5 if s == 5 else y10, "eval/greedy_acc": y5 if s == 5 else y10})
+    return {"seed": seed, "steps": 10, "rows": rows}
+
+
+def credit_stats():
+    """walk: vine +5 over reinforce (BETTER); ppo over reinforce +1.5 by AUC (NULL) but +6 at the end (BETTER, secondary);
+    ppo-priv on 4 seeds only (NOT JUDGED); ppo over grpo-n8 +5.5 by AUC (BETTER). sort: vine = reinforce (NULL, the
+    oracle fails) and ppo +8 over reinforce (BETTER, but uninformative)."""
+    b = {s: 0.30 + 0.01 * s for s in range(5)}
+    j = {s: 0.002 * (s - 2) for s in range(5)}  # paired jitter: differences 4.6, 4.8, 5.0, 5.2, 5.4 points around +5
+    flat = lambda y: (y, y, y)  # noqa: E731
+    walk = {"reinforce": [credit_run(s, *flat(b[s])) for s in b],
+            "vine": [credit_run(s, *flat(b[s] + 0.05 + j[s]), **{"vine/explained_variance": (0.6, 0.6), "vine/extra_token_ratio": (3.0, 3.0)}) for s in b],
+            "ppo": [credit_run(s, b[s], b[s], b[s] + 0.06 + j[s], **{"critic/explained_variance": (0.1, 0.4)}) for s in b],
+            "ppo-priv": [credit_run(s, *flat(b[s] + 0.2)) for s in range(4)],
+            "grpo-n8": [credit_run(s, *flat(b[s] - 0.04 - j[s]), **{"grpo/identical_reward_frac": (0.25, 0.25)}) for s in b]}
+    sort = {"reinforce": [credit_run(s, *flat(b[s])) for s in b], "vine": [credit_run(s, *flat(b[s] + 0.01 * (s - 2))) for s in b],
+            "ppo": [credit_run(s, *flat(b[s] + 0.08 + j[s])) for s in b]}
+    return {task: {a: lab.arm_stats(rs) for a, rs in arms.items()} for task, arms in (("walk", walk), ("sort", sort))}
+
+
+def test_verdict_credit_on_hand_made_runs(tmp_path):
+    (tmp_path / "walk.json").write_text('{"perfect": 0.55, "prompt_only": 0.1}')
+    text = "\n".join(lab.verdict_credit(credit_stats(), points=2.0, need=5, ceilings={"walk": str(tmp_path / "walk.json"),
+                                                                                     "sort": str(tmp_path / "absent.json")}))
+    walk, sort = text.split("### sort")
+    auc, final = "AUC of held-out sampled success", "final sampled success (secondary)"
+    assert f"(1) vine vs reinforce, {auc}: **BETTER** (paired difference +5.0 ± 0.4 points over 5 seeds)" in walk  # sd 0.316, t 2.776
+    assert f"(2) ppo vs reinforce, {auc}: **NULL** (paired difference +1.5 ± " in walk  # 25 * 0.06: AUC, not the final value
+    assert f"(2) ppo vs reinforce, {final}: **BETTER** (paired difference +6.0 ± " in walk
+    assert f"(3) ppo-priv vs ppo, {auc}: **NOT JUDGED** (paired difference +18.5 ± " in walk and "over 4 seeds)" in walk
+    assert f"(4) ppo vs grpo-n8, {auc}: **BETTER** (paired difference +5.5 ± 0.5 points over 5 seeds)" in walk  # 1.5 + 4 + 125 j
+    assert "cannot show" not in walk and "uninformative" not in walk
+    assert "| vine | 5 | 37.0 | 37.0 | 37.0 | 0.60 / 0.55 | - | 3.00 |" in walk and "| ppo | 5 | 33.5 | 33.5 | 38.0 | 0.40 / 0.55 | - | - |" in walk
+    assert "| grpo-n8 | 5 | 28.0 | 28.0 | 28.0 | - | 25.0% | - |" in walk and "bench/value_ceiling.py): 0.55; prompt-only 0.10" in walk
+    assert re.search(r"\(1\) vine vs reinforce, AUC [^\n]*: \*\*NULL\*\* \(paired difference [+-]0\.0 ± 2\.0 points over 5 seeds\)", sort)  # sd 1.58
+    assert f"(4) ppo vs grpo-n8, {auc}: **NOT JUDGED** (no seeds finished in both arms), uninformative" in sort
+    assert "**sort cannot show a credit effect**" in sort and "bench/value_ceiling.py): not measured." in sort
+    assert f"(2) ppo vs reinforce, {auc}: **BETTER** (paired difference +8.0 ± 0.4 points over 5 seeds), uninformative" in sort
+    assert sort.strip().endswith("Decisive comparisons (primary endpoint, informative tasks): walk: vine BETTER than reinforce; "
+                                 "walk: ppo BETTER than grpo-n8.")
+    null = "\n".join(lab.verdict_credit({"sort": credit_stats()["sort"]}))
+    assert "**sort cannot show a credit effect**" in null and null.endswith("**Null result**: no informative comparison on the "
+                                                                            "primary endpoint is BETTER or WORSE.")
+    assert "not measured" in "\n".join(lab.VERDICTS["credit"](credit_stats()))  # the registered grid's ceiling files do not exist yet
+    few = "\n".join(lab.verdict_credit({"sort": credit_stats()["sort"]}, need=6))
+    assert "**sort: the oracle is not judged yet**" in few and few.endswith("**Not judged**: no comparison has 6 paired seeds yet.")
+
+
+def test_arm_flags_per_task_and_the_unregistered_credit_grid(monkeypatch):
+    g = lab.grid_spec("credit", quick=False)
+    assert lab.arm_flags(g, "ppo-priv", "walk")[-2:] == ["--critic-context", "env"] and lab.arm_flags(g, "ppo", "sort") == ["--algo", "ppo"]
+    assert lab.flags_text(g["arms"]["ppo-priv"], g["tasks"]) == "walk: --algo ppo --critic-context env; sort: --algo ppo --critic-context answer"
+    q = lab.grid_spec("credit", quick=True)
+    assert q["tasks"] == ["sort"] and list(q["arms"]) == ["reinforce", "ppo-priv"] and lab.unregistered(q) == ["hypothesis", "decision_rule"]
+    assert lab.unregistered(g) == ["hypothesis", "decision_rule", "steps", "base"]
+    assert all(lab.unregistered(lab.GRIDS[n]) == [] for n in lab.GRIDS if n != "credit")
+    assert all(lab.grid_spec(n, quick) for n in lab.GRIDS for quick in (False, True))  # every arm covers its grid's tasks
+    monkeypatch.setattr(lab.sys, "argv", ["lab.py", "credit"])
+    with pytest.raises(SystemExit, match="grid credit is not registered: hypothesis, decision_rule, steps, base still hold TODO"):
+        lab.main()
+    monkeypatch.setitem(lab.GRIDS, "broken", {**lab.GRIDS["credit"], "arms": {"x": {"walk": []}}})
+    with pytest.raises(ValueError, match=r"arm x has no flags for task\(s\) \['sort'\]"):
+        lab.grid_spec("broken", quick=False)
