@@ -124,6 +124,13 @@ def test_design_hand_cases():
     assert r["success"] == 0.5 and r["optimal"] == 1.0 and r["ratio"] == [1.0, 1.0, 0.0, 0.0] and r["headroom"] == 2.0
     # pooled EV of the perfect critic: 1 - mean_t E[V(1-V)] / Var(R) = 1 - (0.25 + 0.25 + 0 + 0) / 4 / 0.25 = 0.5
     assert r["ev_perfect"] == pytest.approx(0.5) and r["ev_prompt"] == pytest.approx(0.0)
+    # the same with a coin between step and jump from 2 to go: a jump first is home (Q = 1); a step is 1 to go, then
+    # the gust: 1 to go (home next turn) or 2 to go (home if the coin jumps): Q = 3/4, V_0 = 7/8. Per column,
+    # E[V(1-V)] = 7/64, then 1/2 * 3/4 * 1/4 = 3/32 (ratio 6/7), then 1/4 (2 to go) * 1/2 * 1/2 = 1/16 (ratio 4/7),
+    # then 0: headroom 4 / (1 + 6/7 + 4/7) = 28/17
+    r = walk_design.evaluate(walk_design.Design(d0=(2,), turns=(2,), gust=(1,), p_jump=0.5, p_jump1=0.0))
+    assert r["success"] == 0.875 and r["optimal"] == 1.0
+    assert r["ratio"] == pytest.approx([1.0, 6 / 7, 4 / 7, 0.0]) and r["headroom"] == pytest.approx(28 / 17)
 
 
 def test_design_matches_the_environment():
