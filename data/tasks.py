@@ -7,6 +7,7 @@ terminal rewards; data/rewards.py holds the built-ins, the loader of --reward an
     addition  "042+315" -> "0357"                          (5 response tokens with <|im_end|>)
     sort      "sort: 3 7 1 9 4 2 8 5" -> "1 2 3 4 5 7 8 9"  (16 response tokens: a longer horizon)
     guess     "guess 23-87", then a number per turn, answered "<", ">" or "?"  (multi-turn: data/guess.py)
+    walk      "wind 9: 3 to go, 5 left", then "1" (step) or "2" (jump) per turn, a gust after turn 1  (data/walk.py)
     your data a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder or a hub name (load_task)
 
 `get_task(name, ...)` picks one by name or path.
@@ -30,6 +31,7 @@ import torch
 
 from data.guess import MAX_TURNS, GuessEnv, guess_rows
 from data.rewards import DEFAULT_USER_TIMEOUT, check_reward, exact
+from data.walk import TURNS, WalkEnv, walk_rows
 
 
 @dataclass
@@ -450,7 +452,15 @@ def guess_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ran
     return Task("guess", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=8, env=GuessEnv, max_turns=MAX_TURNS)
 
 
-TASKS = {"addition": addition_task, "sort": sort_task, "guess": guess_task}
+def walk_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_share: float = 0.15) -> Task:
+    """The windy walk home: data/walk.py's rows (test configurations disjoint from the train ones) and environment.
+    A turn is one character and <|im_end|> (max_new_tokens 4 leaves room for a near miss); max_turns is the longest
+    walk, so every episode ends by its own last turn, where its reward is."""
+    train, test = walk_rows(seed, n_train, n_test, test_share)
+    return Task("walk", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=4, env=WalkEnv, max_turns=max(TURNS))
+
+
+TASKS = {"addition": addition_task, "sort": sort_task, "guess": guess_task, "walk": walk_task}
 
 
 def get_task(name: str, *, split: str = "train", prompt_key: str = "prompt", answer_key: str = "answer",

@@ -7,7 +7,7 @@ supervised warm-up on the task so RL starts from a policy that is right some of 
 cached under .cache/, one model per built-in task. A few minutes on 2 CPU threads (always 2: BUILD_THREADS).
 
     python -m data.tiny            # build the addition model (once) and print the path
-    python -m data.tiny sort       # the sort model (guess: the multi-turn guessing task)
+    python -m data.tiny sort       # the sort model (guess: the multi-turn guessing task; walk: the windy walk)
     python -m data.tiny addition moe   # the MoE twin (Qwen3-MoE, 8 experts, top-2): train_ppo.py --tiny moe
 """
 
@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 import agent
 from data.guess import interval
 from data.tasks import TASKS, Task, encode_prompt
+from data.walk import demo_move
 from rollout import EmbeddedEngine, Rollout, Sampling
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -55,6 +56,9 @@ DEFAULT_WARMUP = {
     "addition": dict(target_acc=0.4, max_steps=600, batch_size=64, lr=3e-3, eval_every=25, n_eval=256),
     "sort": dict(target_acc=0.2, max_steps=600, batch_size=64, lr=3e-3, eval_every=25, n_eval=256),
     "guess": dict(target_acc=0.3, max_steps=600, batch_size=64, lr=3e-3, eval_every=25, n_eval=256),
+    # Greedy walk success cannot pass ~0.26 (the greedy walker never jumps; bench/walk_design.py): target 1.0 runs all
+    # the steps, so the sampled policy learns the demonstrations' jump rates, not just their most likely move.
+    "walk": dict(target_acc=1.0, max_steps=300, batch_size=64, lr=3e-3, eval_every=50, n_eval=256),
 }
 
 
@@ -175,33 +179,41 @@ def _sft_batch(tok, examples: list[tuple[list[int], list[bool]]]):
 
 class demo_engine:
     """A rollout engine that plays noisy bisection (for the warm-up's demonstrations): from the interval left, the
-    midpoint with probability p_mid, else a uniform draw; the interval itself when asked for a summary. Draws come
+    midpoint with probability p_mid, else a uniform draw; the interval itself when asked for a summary. With `move`
+    (conversation text, rng) -> text it plays that instead (`--task walk`: data/walk.py's demo_move). Draws come
     from each row's seed, so demonstrations are reproducible."""
 
-    def __init__(self, tok, p_mid: float = 0.5):
-        self.tok, self.p_mid = tok, p_mid
+    def __init__(self, tok, p_mid: float = 0.5, move: Callable[[str, random.Random], str] | None = None):
+        self.tok, self.p_mid, self.move = tok, p_mid, move
+
+    def bisect(self, conversation: str, rng: random.Random) -> str:
+        lo, hi, summary = interval(conversation)
+        lo, hi = min(lo, hi), max(lo, hi)
+        return f"{lo}-{hi}" if summary else str((lo + hi) // 2 if rng.random() < self.p_mid else rng.randint(lo, hi))
 
     def generate(self, prompt_ids, sampling) -> Rollout:
         outs = []
         for r, ids in enumerate(prompt_ids):
             rng = random.Random(sampling.row_seed(r))
-            lo, hi, summary = interval(self.tok.decode(ids))
-            lo, hi = min(lo, hi), max(lo, hi)
-            text = f"{lo}-{hi}" if summary else str((lo + hi) // 2 if rng.random() < self.p_mid else rng.randint(lo, hi))
+            text = (self.move or self.bisect)(self.tok.decode(ids), rng)
             outs.append(self.tok(text, add_special_tokens=False).input_ids + [self.tok.eos_token_id])
         return Rollout.from_ragged(outs, prompt_ids, ["stop"] * len(outs))
 
 
-def _guess_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callable]:
-    """Demonstrations of data/guess.py's noisy bisection, played by the multi-turn driver itself so they have the
-    exact token layout RL sees (a third with compaction), and greedy success on the validation rows."""
+def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callable]:
+    """Demonstrations of a multi-turn task, played by the multi-turn driver itself so they have the exact token layout
+    RL sees, and greedy success on the validation rows: data/guess.py's noisy bisection (a third with compaction), or
+    for walk data/walk.py's demo_move (no compaction)."""
     rows = task.train.to_list()
     val, rest = rows[:n_eval], rows[n_eval:]
+    walk = task.name == "walk"
     pool = []
     for i in range(0, len(rest), 1000):
         chunk = rest[i : i + 1000]
-        ep = agent.run_episodes(demo_engine(tok), tok, task.env, chunk, Sampling(max_new_tokens=task.max_new_tokens, seed=seed + i),
-                                max_turns=task.max_turns, context_len=tok.model_max_length, compact_at=90 if i % 3000 == 0 else 0)
+        engine = demo_engine(tok, move=demo_move if walk else None)
+        ep = agent.run_episodes(engine, tok, task.env, chunk, Sampling(max_new_tokens=task.max_new_tokens, seed=seed + i),
+                                max_turns=task.max_turns, context_len=tok.model_max_length,
+                                compact_at=90 if i % 3000 == 0 and not walk else 0)
         ro = ep.rollout
         pool += [(p + ro.tokens[b][ro.attend[b]].tolist(), [False] * len(p) + ro.mask[b][ro.attend[b]].tolist())
                  for b, p in enumerate(ro.prompt_ids)]
@@ -233,7 +245,7 @@ def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4,
     if len(task.train) <= n_eval:
         raise ValueError(f"warmup: task {task.name!r} has {len(task.train)} train rows, need more than n_eval={n_eval}")
     if task.env is not None:
-        pool, accuracy_of = _guess_pool(tok, task, n_eval, seed)
+        pool, accuracy_of = _episode_pool(tok, task, n_eval, seed)
     else:
         val, rest = task.train[:n_eval], task.train[n_eval:]  # dicts of lists
         pool = []
@@ -300,8 +312,8 @@ def cpu_name():
 
 
 def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "addition", arch: str = "dense") -> str:
-    """Path of the tiny model ("dense", or its MoE twin "moe") warmed up on a built-in task ("addition", "sort" or
-    "guess"), built on first use and cached by architecture + task + seed + settings.
+    """Path of the tiny model ("dense", or its MoE twin "moe") warmed up on a built-in task ("addition", "sort", "guess"
+    or "walk"), built on first use and cached by architecture + task + seed + settings.
 
     Built in a temp folder and renamed into place, so an interrupted build never leaves a half-written
     cache. The warm-up uses the task's default seed so its test split, the one RL evaluates on, is never
