@@ -203,6 +203,10 @@ class Config:
     """Also log to TensorBoard (needs tensorboard installed)."""
 
 
+def _multi_turn(cfg: Config) -> bool:
+    return bool(cfg.env) or cfg.task in ("guess", "walk")  # the built-in multi-turn tasks (data/tasks.py)
+
+
 def resolve(cfg: Config, world_size: int) -> dict:
     """Validate the config against the world and derive the per-rank sizes, before any expensive work."""
     errors = []
@@ -215,7 +219,7 @@ def resolve(cfg: Config, world_size: int) -> dict:
     if cfg.algo == "vine":
         if cfg.vine_k < 1 or cfg.vine_every < 1:
             errors.append(f"--vine-k and --vine-every must be >= 1, got {cfg.vine_k} and {cfg.vine_every}")
-        if cfg.vine_every != 1 and (cfg.env or cfg.task == "guess"):
+        if cfg.vine_every != 1 and _multi_turn(cfg):
             errors.append(f"--vine-every {cfg.vine_every} with a multi-turn task: its states are the starts of the model turns "
                           "(states inside a turn are not implemented); leave --vine-every 1")
         if cfg.gamma != 1:
@@ -239,7 +243,7 @@ def resolve(cfg: Config, world_size: int) -> dict:
         errors.append(f"the IcePop band must satisfy 0 < low < 1 < high, got [{cfg.icepop_low}, {cfg.icepop_high}]")
     if cfg.critic_context != "policy" and cfg.algo != "ppo":
         errors.append(f"--critic-context {cfg.critic_context} needs a critic: --algo {cfg.algo} has none")
-    if cfg.critic_context == "env" and not (cfg.env or cfg.task == "guess"):
+    if cfg.critic_context == "env" and not _multi_turn(cfg):
         errors.append("--critic-context env needs a multi-turn task (--env, or --task guess): its environment's critic_context()")
     if cfg.baseline_window < 1:
         errors.append(f"--baseline-window must be >= 1, got {cfg.baseline_window}")
@@ -300,7 +304,7 @@ def resolve(cfg: Config, world_size: int) -> dict:
         load_reward(cfg.reward)
     except ValueError as e:
         errors.append(str(e))
-    multi_turn = bool(cfg.env) or cfg.task == "guess"
+    multi_turn = _multi_turn(cfg)
     if cfg.env:
         try:
             load_env(cfg.env)
@@ -308,7 +312,7 @@ def resolve(cfg: Config, world_size: int) -> dict:
             errors.append(str(e))
     if cfg.tiny != "dense" and cfg.model:
         errors.append(f"--tiny {cfg.tiny} picks the embedded default model; it cannot go with --model {cfg.model}")
-    if cfg.routing_replay and (cfg.engine != "embedded" or cfg.env or cfg.task == "guess"):
+    if cfg.routing_replay and (cfg.engine != "embedded" or _multi_turn(cfg)):
         errors.append("--routing-replay needs the embedded engine (it records the experts per token) and a single-turn task "
                       "(multi-turn rows re-route their context each turn; replaying one record per token is not implemented)")
     if cfg.fsdp and dp < 2:

@@ -18,6 +18,9 @@ turn), so they win 35% where always jumping (and stepping from 1 to go) wins 81%
 perfect critic leaves 1/3.94 of the prompt-only critic's squared error, averaged over the response's model-token
 positions (the headroom bound of issue 22; >= 3 is asked), and its explained variance is 0.75 against 0.14.
 
+critic_context() ("gust g", for --critic-context env) tells a critic the gust before it blows: the environment commits to
+it at the start of the episode, so it is hidden state the policy has not seen, not a draw the policy could change.
+
 Every turn is one character and <|im_end|>, every observation 15 characters, so the token columns of the response
 line up across episodes (position t is the same turn's same token in every row). Train and test rows come from
 disjoint (G, d0, K) configurations: test episodes start from configurations never trained on.
@@ -56,14 +59,27 @@ class WalkEnv:
 
     def __init__(self):
         self.rng: random.Random | None = None
+        self.gust: int | None = None
 
     def reseed(self, seed: int) -> None:
-        self.rng = random.Random(seed)
+        self.rng, self.gust = random.Random(seed), None  # a reseeded copy (a vine continuation) draws its own gust
 
     def reset(self, row: dict) -> str:
         self.wind, self.d, self.left = parse_prompt(row["prompt"])
-        self.turn = 0
+        self.turn, self.gust = 0, None
         return row["prompt"]
+
+    def critic_context(self) -> str:
+        """--critic-context env: "gust g", the gust this episode blows after turn 1, drawn now (the first draw of the
+        episode's RNG, the same g as without this call) and hidden from the policy until it blows."""
+        return f"gust {self._gust()}"
+
+    def _gust(self) -> int:
+        if self.gust is None:
+            if self.rng is None:
+                raise RuntimeError("WalkEnv: reseed(seed) must be called before the episode (the gust's RNG)")
+            self.gust = self.rng.randint(0, self.wind)
+        return self.gust
 
     def step(self, text: str):
         if self.left <= 0:
@@ -74,9 +90,7 @@ class WalkEnv:
         self.turn += 1
         self.left -= 1
         if self.turn == 1 and self.d > 0:  # the gust
-            if self.rng is None:
-                raise RuntimeError("WalkEnv: reseed(seed) must be called before the episode (the gust's RNG)")
-            self.d = min(WALL, self.d + self.rng.randint(0, self.wind))
+            self.d = min(WALL, self.d + self._gust())
         if self.left == 0:
             return None, float(self.d == 0), True
         return observation(self.d, self.left), 0.0, False

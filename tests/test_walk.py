@@ -87,6 +87,28 @@ def test_reseed_determines_the_gust():
     assert len({m[2]["content"] for m in full.messages}) > 1  # the gusts differ between episodes
 
 
+def test_critic_context_is_the_gust_to_come_and_a_reseeded_copy_draws_afresh():
+    import copy
+
+    seed = next(s for s in range(100) if gust_of(s, 9) == 4)
+    env = WalkEnv()
+    env.reseed(seed)
+    env.reset({"prompt": "wind 9: 3 to go, 5 left"})
+    assert env.critic_context() == "gust 4" and env.critic_context() == "gust 4"  # drawn once, at the RNG's first draw
+    twin = copy.deepcopy(env)
+    assert env.step("1")[0] == "6 to go, 4 left"  # 3 - 1 + 4: the gust the critic was told, the same as without the call
+    other = next(s for s in range(100) if gust_of(s, 9) == 0)
+    twin.reseed(other)  # a vine continuation from the turn's start: its own gust, not the original's
+    assert twin.step("1")[0] == "2 to go, 4 left" and twin.critic_context() == "gust 0"
+    # through the driver: the episode's critic string names the gust its observation then shows
+    tok = build_tokenizer()
+    out = agent.run_episodes(demo_engine(tok, move=demo_move), tok, WalkEnv, [{"prompt": "wind 12: 5 to go, 4 left", "answer": "home"}] * 8,
+                             Sampling(max_new_tokens=4, seed=3), max_turns=6, context_len=256)
+    for ctx, msgs in zip(out.critic_context, out.messages):
+        first = int(msgs[1]["content"])  # the move of turn 1: 5 - move + gust, capped at the wall
+        assert msgs[2]["content"].startswith(f"{min(WALL, 5 - first + int(ctx.split()[1]))} to go")
+
+
 def test_observation_format_and_layout():
     """Every observation is 15 characters, so the response's token columns line up across episodes: turn j's move
     and <|im_end|> sit at the same two columns in every row."""
