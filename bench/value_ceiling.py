@@ -119,7 +119,7 @@ def measure(model: str = "", task: str = "addition", prompts: int = 256, k: int 
     if not model:
         from data.tiny import default_model
 
-        model = default_model(os.path.join(REPO, ".cache"), task=task if task in ("addition", "sort", "guess") else "addition")
+        model = default_model(os.path.join(REPO, ".cache"), task=task if task in ("addition", "sort", "guess", "walk") else "addition")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)

@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
     if not model:
         from data.tiny import default_model
 
-        model = default_model(os.path.join(REPO, ".cache"), task=args.task if args.task in ("addition", "sort") else "addition")
+        model = default_model(os.path.join(REPO, ".cache"), task=args.task if args.task in ("addition", "sort", "guess", "walk") else "addition")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
