@@ -44,7 +44,7 @@ import vine
 from agent import DEFAULT_MAX_TURNS, Episodes, episode_metrics, load_env, run_episodes
 from config import Config, check_model, resolve
 from data.rewards import load_reward
-from data.tasks import get_task, prompt_indices
+from data.tasks import get_task, prompt_indices, prompt_keys
 from evaluation import evaluate, rollouts, scored
 from forward import (check_finite, check_head, context_ids, critic_batch, denominator, micro, minibatches, optimizer_step, response_logprobs,
                      response_values)
@@ -65,7 +65,7 @@ def main(cfg: Config) -> list[dict]:
     """Run (or resume) training; returns the metrics history (rank 0; other ranks get an empty list)."""
     run = setup(cfg)
     task, tok, model_path = load_task(run)
-    models = build_models(run, model_path)
+    models = build_models(run, model_path, task)
     engines = build_engines(run, models, task, tok)
     log = start_log(run, models, engines, task, tok, model_path)
     if models.fresh_head and run.cfg.critic_pretrain > 0:
@@ -305,7 +305,7 @@ def load_task(run: Run):
     return task, check_model(cfg, model_path, task), model_path
 
 
-def build_models(run: Run, model_path: str) -> Models:
+def build_models(run: Run, model_path: str, task) -> Models:
     """Policy, critic (PPO), frozen reference (--kl) and optimisers, sharded by the plan; restored from the checkpoint
     when resuming."""
     cfg, rt = run.cfg, run.rt
@@ -329,10 +329,12 @@ def build_models(run: Run, model_path: str) -> Models:
         ref = moe.install(load_policy(model_path).to(rt.device).requires_grad_(False))
         ref = parallelize(ref, run.tp_mesh, run.fsdp).eval()
     models = Models(policy, critic, ref, opts, path, start=0, bad={k: 0 for k in opts}, fresh_head=critic is not None and not run.ckpt,
-                    saved_at=0, baseline=PromptBaseline(cfg.baseline_window) if cfg.algo == "reinforce" else None)
+                    saved_at=0, baseline=PromptBaseline(cfg.baseline_window, keys=prompt_keys(task.train)) if cfg.algo == "reinforce" else None)
     if run.ckpt:
         state = load_trainer_state(run.ckpt, rt.rank, rt.world_size, opts)
-        models.baseline = models.baseline and PromptBaseline(cfg.baseline_window, state["baseline"])
+        if models.baseline and state.get("baseline_keys") != PromptBaseline.KEYS:  # older: keyed by row; resuming would change the run
+            raise ValueError(f"{run.ckpt}: its --algo reinforce baseline is keyed by train row, not prompt: use a new --out-dir")
+        models.baseline = models.baseline and PromptBaseline(cfg.baseline_window, state["baseline"], models.baseline.keys)
         models.start = models.saved_at = state["step"]
         models.bad = state["bad_steps"]
         for k, lr in (("policy", cfg.lr), ("critic", run.plan["critic_lr_used"])):  # a changed --lr / --critic-lr applies
@@ -378,7 +380,7 @@ def start_log(run: Run, models: Models, engines: Engines, task, tok, model_path:
 def save(run: Run, models: Models, tok, step: int) -> None:
     save_checkpoint(run.cfg.out_dir, step, run.rt.rank, run.rt.world_size, run.cfg.keep_checkpoints, policy=models.policy,
                     critic=models.critic, tokenizer=tok, optimizers=models.opts, extra={"bad_steps": dict(models.bad), "tp": run.cfg.tp,
-                    **({"baseline": models.baseline.table} if models.baseline else {})})
+                    **({"baseline": models.baseline.table, "baseline_keys": PromptBaseline.KEYS} if models.baseline else {})})
     models.saved_at = step
 
 
@@ -477,7 +479,7 @@ def recompute(run: Run, models: Models, batch: Batch, m: Metrics) -> Old:
 def advantages(run: Run, models: Models, batch: Batch, old: Old, task, index: int, m: Metrics) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(advantages, returns): PPO's token-level GAE (lambda_policy, or length-adaptive) with GAE(lambda_critic) returns as
     the critic's targets; GRPO's group-relative advantages; vine's Monte Carlo value differences; reinforce's reward
-    minus its prompt's running mean (value_model.PromptBaseline; prompt = its train row index). All but GRPO's are
+    minus its prompt's running mean (value_model.PromptBaseline; rows with the same prompt share it). All but GRPO's are
     whitened over the global batch with --whiten-advantages; only PPO has returns."""
     cfg, mask = run.cfg, batch.mask
     rewards, returns = batch.token_rewards, None
@@ -490,7 +492,7 @@ def advantages(run: Run, models: Models, batch: Batch, old: Old, task, index: in
     elif cfg.algo == "reinforce":
         plan, dev = run.plan, mask.device
         sample = torch.tensor(batch.out.episode if isinstance(batch.out, Episodes) else range(len(batch.tokens)), device=dev)
-        prompts = torch.tensor(batch_prompts(run, len(task.train), index), device=dev)[sample // plan["n"]]
+        prompts = torch.tensor([models.baseline.keys[i] for i in batch_prompts(run, len(task.train), index)], device=dev)[sample // plan["n"]]
         adv, had = models.baseline.advantages(prompts, sample, batch.scores, batch.rewarded, plan["rows"], run.dp_rank, plan["dp"], run.dp_group)
         m.add_ratio("reinforce/history_frac", had[batch.rewarded].sum(), batch.rewarded.sum())  # rows whose prompt had earlier rewards
         adv = adv[:, None] * mask
@@ -557,8 +559,7 @@ def update_policy(run: Run, models: Models, batch: Batch, old: Old, adv, is_w, l
                                                       agg=cfg.agg, num_tokens=denom)
                 if cfg.kl == "k3-loss":
                     kl = losses.aggregate(losses.kl_estimate(logp, old.ref_logp[r], "k3"), loss_mask[r], cfg.agg, denom)
-                    loss = loss + cfg.kl_coef * kl
-                    pm["ppo/kl_ref"] = kl.detach()
+                    loss, pm["ppo/kl_ref"] = loss + cfg.kl_coef * kl, kl.detach()
                 loss.backward()
                 m.add(pm)
                 # Token-weighted over the step: a micro-batch without a kept token adds nothing (its own mean is 0/0).
@@ -577,8 +578,7 @@ def step_metrics(run: Run, batch: Batch, m: Metrics, seconds: float) -> dict:
         "rollout/truncated_frac": sum(f in ("length", "turn_length") for f in ro.finish_reasons) / len(ro.finish_reasons),
         # summed over dp ranks: the reduction's mean over ranks, times dp, is the sum (no extra collective)
         "train/tokens_per_pass": batch.fed.float() * dp, "train/response_tokens": lengths.sum().float() * dp,
-        "time/step": seconds,
-        **(episode_metrics(batch.out) if isinstance(batch.out, Episodes) else {}),
+        "time/step": seconds, **(episode_metrics(batch.out) if isinstance(batch.out, Episodes) else {}),
         **(vine.metrics(batch.vine, batch.token_rewards, batch.mask, batch.width) if batch.vine is not None else {}),
     }
     if run.cfg.algo == "grpo":  # groups whose n rewards are all equal carry no GRPO signal

@@ -110,12 +110,15 @@ def critic_values(critic: PreTrainedModel, input_ids: Tensor, attention_mask: Te
 
 
 class PromptBaseline:
-    """--algo reinforce's baseline table (the SAO paper's running-mean control): per prompt (its train row index), the
-    last `window` rewards it got in earlier steps, oldest first. Every dp rank holds the same table (`advantages` adds
-    all ranks' pairs), and it goes into the checkpoint: PromptBaseline(window, saved.table) resumes it exactly."""
+    """--algo reinforce's baseline table (the SAO paper's running-mean control): per prompt (its key: the first train row
+    with that prompt, data.tasks.prompt_keys), the last `window` rewards it got in earlier steps, oldest first. Every dp
+    rank holds the same table (`advantages` adds all ranks' pairs), and it goes into the checkpoint:
+    PromptBaseline(window, saved.table) resumes it exactly."""
 
-    def __init__(self, window: int, table: dict | None = None):
-        self.window = window
+    KEYS = "prompt"  # what the table's keys are, saved beside it: a checkpoint keyed otherwise (row indices) is refused
+
+    def __init__(self, window: int, table: dict | None = None, keys: list[int] | None = None):
+        self.window, self.keys = window, keys  # keys: each train row's prompt key (data.tasks.prompt_keys), for the caller
         self.table = {int(p): [float(r) for r in rs][-window:] for p, rs in (table or {}).items()}
 
     def lookup(self, prompts: list[int]) -> tuple[Tensor, Tensor]:

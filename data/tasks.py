@@ -497,3 +497,11 @@ def epoch_order(seed: int, n_train: int, epoch: int) -> torch.Tensor:
 def prompt_indices(seed: int, n_train: int, first: int, count: int) -> list[int]:
     """Train rows first .. first + count - 1 of the data stream: row i is row i % n_train of epoch i // n_train."""
     return [int(epoch_order(seed, n_train, i // n_train)[i % n_train]) for i in range(first, first + count)]
+
+
+def prompt_keys(train: datasets.Dataset) -> list[int]:
+    """Each train row's prompt key: the index of the first row with the same prompt (chat-message prompts compared as
+    JSON). --algo reinforce's baseline is per prompt, so rows that repeat a prompt (walk's 20,000 rows hold 71) share it."""
+    first: dict[str, int] = {}
+    return [first.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True), i) for i, p in enumerate(train["prompt"])]
+

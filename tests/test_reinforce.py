@@ -4,13 +4,16 @@ and a run stopped at a checkpoint and resumed that logs what an uninterrupted ru
 
 import json
 import os
+from dataclasses import replace
 
+import datasets
 import pytest
 import torch
 
 import losses as L
 from conftest import read_metrics, small, torchrun, train_cli
 from config import Config, resolve
+from data.tasks import get_task, prompt_indices, prompt_keys
 from train_ppo import main
 from value_model import PromptBaseline
 
@@ -47,6 +50,15 @@ def test_prompt_baseline_window_fallback_and_order():
     t2.advantages(torch.tensor([4, 4, 6]), torch.tensor([0, 0, 1]), torch.tensor([1.0, 1.0, 0.0]), torch.ones(3, dtype=torch.bool), 2)
     assert t2.table == {4: [1.0], 6: [0.0]}
     assert PromptBaseline(2, {"3": [1, 2, 3]}).table == {3: [2.0, 3.0]}  # a checkpoint's table, trimmed to the window
+
+
+def test_prompt_keys_by_hand():
+    """A row's key is the first row with its prompt; chat-message prompts compare as JSON, whatever their key order."""
+    chat = lambda *kv: [dict(kv)]  # noqa: E731
+    ds = datasets.Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}, {"prompt": "a"}])
+    assert prompt_keys(ds) == [0, 1, 0]
+    rows = {"prompt": [chat(("role", "user"), ("content", "x")), chat(("content", "y"), ("role", "user")), chat(("content", "x"), ("role", "user"))]}
+    assert prompt_keys(datasets.Dataset.from_dict(rows)) == [0, 1, 0]
 
 
 def test_config():
@@ -108,3 +120,21 @@ def test_dp2_ranks_hold_the_one_process_table(tmp_path):
     for ra, rb in zip(a[1:], b[1:]):
         assert ra["reinforce/history_frac"] == rb["reinforce/history_frac"]
         assert rb["ppo/grad_norm"] == pytest.approx(ra["ppo/grad_norm"], rel=1e-4)
+
+
+@pytest.mark.e2e  # the walk model (built by tests/test_walk.py's first use when .cache lacks it)
+def test_rows_that_repeat_a_prompt_share_its_baseline(tmp_path):
+    """--task walk: 20,000 train rows, 71 prompts. Step 2's rows whose prompt step 1 drew have history (keyed by row
+    they would not: a row comes once per epoch). A checkpoint whose table is keyed by row (no baseline_keys) is refused."""
+    cfg = small(tmp_path / "run", task="walk", algo="reinforce", rollout_batch=32, save_every=2, eval_size=2, engine_dtype="fp32")
+    rows = main(cfg)
+    keys = prompt_keys(get_task("walk").train)
+    first = {keys[i] for i in prompt_indices(cfg.seed, len(keys), 0, 32)}
+    expect = sum(keys[i] in first for i in prompt_indices(cfg.seed, len(keys), 32, 32)) / 32
+    assert len(set(keys)) == 71 and expect > 0.2 and [r["reinforce/history_frac"] for r in rows if r["step"] > 0] == [0.0, expect]
+    path = tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_rank0.pt"
+    state = torch.load(path, weights_only=True)
+    assert state.pop("baseline_keys") == "prompt"
+    torch.save(state, path)
+    with pytest.raises(ValueError, match="keyed by train row, not prompt"):
+        main(replace(cfg, steps=3))
