@@ -202,28 +202,52 @@ GRIDS["guess-learns-300"] = {
     "base": ["--rollout-batch", "64", "--engine-dtype", "fp32", "--max-turns", "6", "--eval-every", "100", "--eval-size", "500",
              "--save-every", "50", "--keep-checkpoints", "1"],
 }
-# Issue 22's credit grid. The machinery is built; the lead writes the hypothesis, the decision rule and the sizes (every
-# TODO(lead)) and commits them before its first run: until then bench/lab.py credit refuses to run (only --quick runs).
-TODO = "TODO(lead)"
+TODO = "TODO(lead)"  # a grid spec field holding this is unregistered: bench/lab.py refuses to run the grid (unregistered)
+# Issue 22's credit grid, registered 2026-12-04 before any of its runs, after a calibration on seed 1000 (in no table).
 GRIDS["credit"] = {
-    "hypothesis": f"{TODO}: the hypothesis, written and committed before the first run.",
-    "decision_rule": f"{TODO}: the rule. Built so far (verdict_credit): per task, on the primary endpoint (the AUC of held-out sampled "
-    "success: its trapezoid mean from step 0 to the last step, in points), paired over the seeds finished in both arms: (1) the oracle "
-    "first, vine vs reinforce; if vine is not BETTER the task cannot show a credit effect and comparisons 2-4 on it are uninformative; "
-    "(2) ppo vs reinforce; (3) ppo-priv vs ppo; (4) ppo vs grpo-n8. BETTER: the mean paired difference is at least `points` and its "
-    "95% t-interval excludes 0; WORSE: at most -`points` and the interval excludes 0; otherwise NULL; fewer than `need` paired seeds: "
-    "NOT JUDGED. Secondary (reported, not decisive): the same on final sampled success.",
+    "hypothesis": "Token-level credit speeds up learning where the headroom bound says it can, at equal episodes per step (32) and equal "
+    "steps (40). Calibration before registering (seed 1000, not a grid seed; /tmp runs, in no table): on walk at the default lr 2e-4 "
+    "every arm moved at one speed (held-out sampled success at step 40: reinforce 51.2, ppo 50.7, grpo-n8 49.5, from 41.5; vine 49.3 at "
+    "step 30 against reinforce's 48.2), a regime limited by the step size, where the gradient's noise, which credit removes, does not "
+    "bind. At lr 6e-4 reinforce went 41.5 -> 64.2 by step 30 and fell back to 50.7 at step 40 (greedy 68.5): fast and noisy, where a "
+    "lower-variance advantage should help; at 1.2e-3 it reached 73.0 (near the 80% optimum, which would compress the AUC). Walk runs at "
+    "6e-4. On sort lr 6e-4 collapsed reinforce to 0% by step 10, while 2e-4 went 11.0 -> 21.5 (greedy 26 -> 49): sort keeps 2e-4. "
+    "The critic's lr is 1e-3 on both (the walk positive control's and the offline fit's). Predictions, per task, on the AUC of "
+    "held-out sampled success: "
+    "WALK (headroom bound 3.66x for the start model, docs/lab/credit/ceiling_walk.json: a perfect critic leaves 1/3.66 of the squared "
+    "error of a prompt-only baseline, EV 0.735 against 0.143; reinforce's running mean over the 8 last rewards of each of the 71 "
+    "prompts, each drawn about 18 times in a run, approximates that prompt-only baseline): (1) vine, the oracle (Monte Carlo values "
+    "from 4 continuations per turn start, about 12x extra tokens), is BETTER than reinforce; (2) ppo (the plain critic) is BETTER than "
+    "reinforce, the weaker prediction: online the critic reached EV 0.2 by step 40 at lr 2e-4 in calibration, 0.44 only after ~50 "
+    "steps of 64 in the positive control; (3) ppo-priv (the critic also told the gust, --critic-context env) is BETTER than ppo, the "
+    "weakest: the gust is only unknown on turn 1; (4) ppo is BETTER than grpo-n8 (4 prompts per step; 9% of its groups had identical "
+    "rewards in calibration). SORT (the contrast; headroom bound 1.35x, perfect-critic EV 0.313 against 0.075 prompt-only, docs/lab/credit/ceiling_sort.json): (1) smaller than "
+    "on walk, and (2) and (3) NULL, as the tiny critic's EV stays at 0.00-0.05 on single-turn tasks. Critic pretraining (10 "
+    "critic-only steps of 32 episodes before step 1, ppo arms) is outside the equal budget: the policy does not change in it.",
+    "decision_rule": "Primary endpoint: the AUC of held-out sampled success, the trapezoid mean of the success rate (400 test episodes or "
+    "problems, never trained on, sampled at temperature 1; the same episodes and sampling seeds in every arm) over the evaluations at "
+    "steps 0, 10, 20, 30, 40, in points; one value per run. Each task judged separately, on the seeds finished in both arms of a "
+    "comparison (paired: seed k gives every arm the same prompt order and sampling seeds). A comparison a vs b is BETTER if the mean "
+    "paired difference a - b is at least 2 points and its 95% t-interval excludes 0; WORSE if at most -2 points and the interval excludes "
+    "0; otherwise NULL; with fewer than 5 paired seeds NOT JUDGED. (2 points of AUC is the gap two curves that part linearly from a "
+    "common start leave when they end 4 points apart.) Order, per task: (1) the oracle first, vine vs reinforce: if vine is not BETTER, "
+    "the task cannot show a credit effect at this budget and comparisons 2-4 on it are reported as uninformative; (2) ppo vs reinforce; "
+    "(3) ppo-priv vs ppo; (4) ppo vs grpo-n8. Secondary, reported and not decisive: the same comparisons on the final sampled success "
+    "(step 40). Reported beside them: each arm's EV over the last 20% of steps (the critic's; vine's Monte Carlo values') against the "
+    "perfect-critic ceiling, GRPO's identical-reward fraction and vine's extra tokens per rollout token. A null result is reported as "
+    "one, with what it would take to see an effect.",
     "tasks": ["walk", "sort"],
     "seeds": list(range(10)),  # paired: seed k gives every arm the same prompt order and sampling seeds
-    "steps": {"walk": TODO, "sort": TODO},  # set before running, never after seeing results
-    "base": ["--rollout-batch", "64", "--engine-dtype", "fp32", "--correction", "none", "--eval-every", TODO, "--eval-size", TODO,
-             "--save-every", TODO, "--keep-checkpoints", "1"],
-    "arms": {"grpo-n8": ["--algo", "grpo", "--n-samples", "8"], "ppo": ["--algo", "ppo"],  # 64 rollouts per step in every arm
+    "steps": {"walk": 40, "sort": 40},  # set before running, never after seeing results
+    "base": ["--rollout-batch", "32", "--critic-lr", "1e-3", "--critic-pretrain", "10", "--engine-dtype", "fp32", "--correction", "none",
+             "--eval-every", "10", "--eval-size", "400", "--save-every", "10", "--keep-checkpoints", "1"],
+    "task_flags": {"walk": ["--lr", "6e-4"], "sort": ["--lr", "2e-4"]},
+    "arms": {"grpo-n8": ["--algo", "grpo", "--n-samples", "8"], "ppo": ["--algo", "ppo"],  # 32 rollouts per step in every arm
              "ppo-priv": {"walk": ["--algo", "ppo", "--critic-context", "env"], "sort": ["--algo", "ppo", "--critic-context", "answer"]},
              "vine": ["--algo", "vine", "--vine-k", "4"], "reinforce": ["--algo", "reinforce"]},
     "core": ["vine", "reinforce"],  # the oracle comparison first: it says whether a task can show an effect at all
     "points": 2.0, "need": 5,  # verdict_credit's thresholds (lab_stats.judge)
-    "ceilings": {t: f"docs/lab/credit/ceiling_{t}.json" for t in ("walk", "sort")},  # bench/value_ceiling.py --out, start policy
+    "ceilings": {t: f"docs/lab/credit/ceiling_{t}.json" for t in ("walk", "sort")},  # the start models' perfect-critic EV
     "quick": {**QUICK, "tasks": ["sort"], "arms": ["reinforce", "ppo-priv"], "base": QUICK["base"] + ["--engine-dtype", "fp32", "--correction", "none"]},
 }
 
@@ -264,7 +288,7 @@ def flags_text(f, tasks):
 def unregistered(g):
     """The fields of a grid spec still holding the lead's placeholder: a grid with any is never run (its rule must
     be written and committed before its first run)."""
-    return [k for k in ("hypothesis", "decision_rule", "steps", "base") if TODO in json.dumps(g.get(k))]
+    return [k for k in ("hypothesis", "decision_rule", "steps", "base", "task_flags") if TODO in json.dumps(g.get(k))]
 
 
 def steps_of(g, task):
@@ -336,6 +360,12 @@ def default_start_model(g, task):
     return default_model(os.path.join(REPO, ".cache"), task=task if task in DEFAULT_WARMUP else "addition", arch=arch)
 
 
+def run_command(g, task, arm, seed, run_dir):
+    """The train_ppo.py command of one run: the grid's base flags, its task's (task_flags), then the arm's."""
+    return [sys.executable, TRAIN, "--out-dir", run_dir, "--seed", str(seed), "--task", task, "--steps", str(steps_of(g, task)),
+            *g["base"], *g.get("task_flags", {}).get(task, []), *arm_flags(g, arm, task)]
+
+
 def run_all(g, root, todo, jobs, stored=()):
     """Launch the unfinished runs of todo, `jobs` at a time; returns {run key: log tail} of the failed ones. A run is
     finished when its folder says so, or when it is in `stored` ((task, arm, seed) finished on another machine: its
@@ -360,8 +390,7 @@ def run_all(g, root, todo, jobs, stored=()):
                 d = f"{root}/{task}/{arm}/seed{seed}"
                 os.makedirs(d, exist_ok=True)
                 clear_unsaved(d)
-                cmd = [sys.executable, TRAIN, "--out-dir", d, "--seed", str(seed), "--task", task,
-                       "--steps", str(steps_of(g, task)), *g["base"], *arm_flags(g, arm, task)]
+                cmd = run_command(g, task, arm, seed, d)
                 with open(os.path.join(d, "log.txt"), "a") as log:
                     log.write(f"\n$ {shlex.join(cmd)}\n")
                     log.flush()
@@ -608,8 +637,9 @@ def report(name, g, runs, meta, md_path, asset_dir, quick, n_aside=0):
            g["hypothesis"], "", "## Decision rule", "", g["decision_rule"], "",
            *(["## Amendments (each written before the runs it concerns)", "", *[f"- {a}" for a in g["amendments"]], ""] if g.get("amendments") else []),
            "## How it was run", "", "```", *meta.get("commands", []), "```", "",
-           f"Each run: `python train_ppo.py --out-dir <runs-dir>/{name}/<task>/<arm>/seed<k> --seed <k> --task <task> --steps <steps> <base> <arm flags>`;"
-           f" steps {g['steps']}, seeds {g['seeds']}, tasks {g['tasks']}.", "", f"Base flags: `{shlex.join(g['base'])}`", "",
+           f"Each run: `python train_ppo.py --out-dir <runs-dir>/{name}/<task>/<arm>/seed<k> --seed <k> --task <task> --steps <steps> <base> <task flags> <arm flags>`;"
+           f" steps {g['steps']}, seeds {g['seeds']}, tasks {g['tasks']}.", "", f"Base flags: `{shlex.join(g['base'])}`"
+           + "".join(f"; {t}: `{shlex.join(f)}`" for t, f in g.get("task_flags", {}).items()), "",
            "| arm | flags | seeds finished (all tasks) |", "|---|---|---|"]
     out += [f"| {a} | `{flags_text(f, g['tasks'])}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |" for a, f in g["arms"].items()]
     fps = {t: sorted({str(r.get("start_model")) for r in runs if r["task"] == t}) for t in g["tasks"]}

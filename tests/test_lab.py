@@ -115,7 +115,7 @@ def test_quick_report(runs, grid):
     if grid == "moe":  # the routing table: one row per arm
         assert sum(bool(re.match(rf"\| {arm} \| \d+\.\d\d% \| \d+\.\d\d% \| ", line)) for arm in arms for line in text.splitlines()) == 2, text
     if grid == "credit":  # verdict_credit's table (AUC, final, EV) and its comparisons, judged on too few seeds
-        assert re.search(r"^\| ppo-priv \| 1 \| \d+\.\d \| \d+\.\d \| \d+\.\d \| -?\d\.\d\d \| - \| - \|$", text, re.MULTILINE), text
+        assert re.search(r"^\| ppo-priv \| 1 \| \d+\.\d \| \d+\.\d \| \d+\.\d \| -?\d\.\d\d / 0\.31 \| - \| - \|$", text, re.MULTILINE), text
         assert re.search(r"^\| reinforce \| 1 \| \d+\.\d \| \d+\.\d \| \d+\.\d \| - \| - \| - \|$", text, re.MULTILINE), text
         assert "**sort: the oracle is not judged yet**" in text and "| ppo-priv | `sort: --algo ppo --critic-context answer` |" in text
         assert "**Not judged**: no comparison has 5 paired seeds yet." in text
@@ -265,22 +265,29 @@ def test_verdict_credit_on_hand_made_runs(tmp_path):
     null = "\n".join(lab.verdict_credit({"sort": credit_stats()["sort"]}))
     assert "**sort cannot show a credit effect**" in null and null.endswith("**Null result**: no informative comparison on the "
                                                                             "primary endpoint is BETTER or WORSE.")
-    assert "not measured" in "\n".join(lab.VERDICTS["credit"](credit_stats()))  # the registered grid's ceiling files do not exist yet
+    registered = "\n".join(lab.VERDICTS["credit"](credit_stats()))  # the registered grid reads its committed ceiling files
+    assert "not measured" not in registered and "(`docs/lab/credit/ceiling_walk.json`)" in registered
     few = "\n".join(lab.verdict_credit({"sort": credit_stats()["sort"]}, need=6))
     assert "**sort: the oracle is not judged yet**" in few and few.endswith("**Not judged**: no comparison has 6 paired seeds yet.")
 
 
-def test_arm_flags_per_task_and_the_unregistered_credit_grid(monkeypatch):
+def test_flags_per_task_and_an_unregistered_grid(monkeypatch):
     g = lab.grid_spec("credit", quick=False)
     assert lab.arm_flags(g, "ppo-priv", "walk")[-2:] == ["--critic-context", "env"] and lab.arm_flags(g, "ppo", "sort") == ["--algo", "ppo"]
     assert lab.flags_text(g["arms"]["ppo-priv"], g["tasks"]) == "walk: --algo ppo --critic-context env; sort: --algo ppo --critic-context answer"
     q = lab.grid_spec("credit", quick=True)
-    assert q["tasks"] == ["sort"] and list(q["arms"]) == ["reinforce", "ppo-priv"] and lab.unregistered(q) == ["hypothesis", "decision_rule"]
-    assert lab.unregistered(g) == ["hypothesis", "decision_rule", "steps", "base"]
-    assert all(lab.unregistered(lab.GRIDS[n]) == [] for n in lab.GRIDS if n != "credit")
+    assert q["tasks"] == ["sort"] and list(q["arms"]) == ["reinforce", "ppo-priv"]
+    cmd = lab.run_command(g, "walk", "ppo-priv", 3, "d")  # base flags, then the task's, then the arm's
+    assert cmd[2:10] == ["--out-dir", "d", "--seed", "3", "--task", "walk", "--steps", "40"]
+    assert cmd[10:] == g["base"] + ["--lr", "6e-4", "--algo", "ppo", "--critic-context", "env"]
+    assert lab.run_command(g, "sort", "vine", 0, "d")[-6:] == ["--lr", "2e-4", "--algo", "vine", "--vine-k", "4"]
+    assert all(lab.unregistered(lab.GRIDS[n]) == [] for n in lab.GRIDS)
     assert all(lab.grid_spec(n, quick) for n in lab.GRIDS for quick in (False, True))  # every arm covers its grid's tasks
-    monkeypatch.setattr(lab.sys, "argv", ["lab.py", "credit"])
-    with pytest.raises(SystemExit, match="grid credit is not registered: hypothesis, decision_rule, steps, base still hold TODO"):
+    draft = {**lab.GRIDS["credit"], "hypothesis": f"{lab.TODO}: to write", "steps": {"walk": lab.TODO, "sort": 40}}
+    monkeypatch.setitem(lab.GRIDS, "draft", draft)
+    assert lab.unregistered(lab.grid_spec("draft", quick=True)) == ["hypothesis"]
+    monkeypatch.setattr(lab.sys, "argv", ["lab.py", "draft"])
+    with pytest.raises(SystemExit, match="grid draft is not registered: hypothesis, steps still hold TODO"):
         lab.main()
     monkeypatch.setitem(lab.GRIDS, "broken", {**lab.GRIDS["credit"], "arms": {"x": {"walk": []}}})
     with pytest.raises(ValueError, match=r"arm x has no flags for task\(s\) \['sort'\]"):
