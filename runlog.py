@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, fields
 
 import torch
 import torch.distributed as dist
@@ -388,11 +388,11 @@ def _recorded(out_dir: str) -> dict:  # config.json, checked
 
 
 def check_resume(cfg, ckpt: str, world_size: int) -> dict:
-    """Compare this run's options (cfg: a config.Config) with those recorded in the run folder; refuse, naming them,
-    the changes a resume cannot honour (an option the record lacks counts as changed); return the accepted ones as
-    {name: [old, new]}. --out-dir is not compared (the folder found is the run, however spelled or moved); a path
-    spelled differently that resolves to the recorded file is no change, and a file moved elsewhere is left to
-    check_inputs (same content: the same input)."""
+    """Compare this run's options (cfg: a config.Config) with those recorded in the run folder; refuse, naming them, the
+    changes a resume cannot honour (an option the record lacks counts as changed unless at its default, the behaviour of
+    the code before it); return the accepted ones as {name: [old, new]}. --out-dir is not compared (the folder found is
+    the run, however spelled or moved); a path spelled differently that resolves to the recorded file is no change, and
+    a file moved elsewhere is left to check_inputs (same content: the same input)."""
     meta = read_json(os.path.join(ckpt, "meta.json"), "remove that checkpoint folder to resume from the one before")
     if meta["world_size"] != world_size:
         raise ValueError(f"checkpoint {ckpt} was written by {meta['world_size']} processes, this run has {world_size}; resume with the same launch")
@@ -400,7 +400,8 @@ def check_resume(cfg, ckpt: str, world_size: int) -> dict:
     if os.path.isfile(metrics := os.path.join(cfg.out_dir, "metrics.jsonl")):
         _read_metrics(metrics)  # a bad line mid-file is named now, before any model loads
     recorded, inputs = record["config"], record.get("inputs") or {}
-    changed = {k: [recorded.get(k), v] for k, v in asdict(cfg).items() if k != "out_dir" and (k not in recorded or recorded[k] != v)}
+    defaults = {f.name: f.default for f in fields(cfg) if f.default is not MISSING}  # an option newer than the run: its default
+    changed = {k: [recorded.get(k), v] for k, v in asdict(cfg).items() if k != "out_dir" and recorded.get(k, defaults.get(k, MISSING)) != v}
     for k in set(changed) & set(PATH_OPTIONS):
         old, new = changed[k]
         now, before = input_path(k, new), inputs.get(k, {}).get("path")
@@ -568,12 +569,8 @@ def save_checkpoint(out_dir: str, step: int, rank: int, world_size: int, keep: i
     _save_hf(policy, os.path.join(tmp, "policy"), rank, tokenizer)
     if critic is not None:
         _save_hf(critic, os.path.join(tmp, "critic"), rank)
-    state = {
-        "step": step,
-        "optimizers": {k: _local_optimizer_state(o) for k, o in optimizers.items()},
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        **extra,
-    }
+    state = {"step": step, "optimizers": {k: _local_optimizer_state(o) for k, o in optimizers.items()},
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, **extra}
     torch.save(state, os.path.join(tmp, f"trainer_rank{rank}.pt"))
     _barrier()
     if rank == 0:

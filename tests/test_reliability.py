@@ -376,6 +376,8 @@ IDENTITY = {
     "another_reward_function": (lambda c, t: replace(c, reward=c.reward.replace(":score", ":other")), r"--reward '.*:score' -> '.*:other'"),
     "missing_key_in_record": (lambda c, t: _edit_record(c, lambda m: {**m, "config": {k: v for k, v in m["config"].items() if k != "algo"}})
                               or replace(c, algo="grpo"), r"--algo \(not recorded\) -> 'grpo'"),
+    "missing_key_at_its_default": (lambda c, t: _edit_record(c, lambda m: {**m, "config": {k: v for k, v in m["config"].items() if k != "algo"}})
+                                   or c, set()),  # an option newer than the run, at its default: no change
     "no_fingerprints_in_record": (lambda c, t: _edit_record(c, lambda m: {k: v for k, v in m.items() if k != "inputs"}) or c,
                                   r"inputs changed since it was launched: config.json records no fingerprints"),
     "truncated_config_json": (lambda c, t: os.truncate(os.path.join(c.out_dir, "config.json"), 30) or c,
