@@ -165,6 +165,11 @@ class Config:
     Linears over bf16 compute; against an fp32 trainer (--train-dtype) all but fp32 create the mismatch IcePop corrects."""
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """Engine KV cache: auto = the engine's compute dtype; fp8 = float8_e4m3 keys and values (scale 1)."""
+    sync_every: int = 1
+    """The rollout engine gets the policy's weights after every N-th update (1 = each; the last step always): rollouts
+    from weights up to N - 1 updates old, the colocated analogue of an asynchronous pipeline's staleness
+    (rollout/staleness), which IcePop's ratio pi_old / pi_infer then measures. --save-every (and, evaluating with the
+    rollout engine, --eval-every) must be multiples of N."""
     routing_replay: bool = False
     """MoE: the trainer's recompute and policy passes use the experts the engine chose for each token (R3); the gate
     weights stay the trainer router's softmax at those experts. Embedded engine, single-turn tasks."""
@@ -252,9 +257,16 @@ def resolve(cfg: Config, world_size: int) -> dict:
                       "per-prompt mean, with no per-token rewards; use --kl k3-loss")
     if cfg.critic_pretrain < 0:
         errors.append(f"--critic-pretrain must be >= 0 (0 = off), got {cfg.critic_pretrain}")
-    for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_size", "eval_samples"):
+    for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps",
+                 "eval_size", "eval_samples", "sync_every"):
         if getattr(cfg, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.sync_every > 1 and cfg.save_every % cfg.sync_every:  # a checkpoint between syncs would resume with fresher weights
+        errors.append(f"--save-every {cfg.save_every} must be a multiple of --sync-every {cfg.sync_every}: a resume loads the checkpoint's "
+                      "weights into the engine, which an uninterrupted run would not have until its next sync")
+    if cfg.sync_every > 1 and cfg.eval_dtype == "engine" and cfg.eval_every % cfg.sync_every:
+        errors.append(f"--eval-every {cfg.eval_every} must be a multiple of --sync-every {cfg.sync_every} (the evaluation samples the rollout "
+                      "engine, whose weights would be stale), or evaluate an fp32 copy of the policy: --eval-dtype fp32")
     if not 0 < cfg.clip_low < 1 or not 0 < cfg.clip_high:
         errors.append(f"--clip-low must be in (0, 1) and --clip-high > 0, got {cfg.clip_low} and {cfg.clip_high}")
     ranges = {"lr": (cfg.lr, cfg.lr > 0, "> 0"), "critic-lr": (cfg.critic_lr, cfg.critic_lr >= 0, ">= 0 (0 = 5 x --lr)"),
