@@ -323,17 +323,11 @@ def _train_infer_ratio(old_logp: Tensor, infer_logp: Tensor) -> Tensor:
 
 def _band_metrics(k: Tensor, mask: Tensor, alpha: float, beta: float, prefix: str) -> dict[str, Tensor]:
     low, high = (k < alpha) & mask, (k > beta) & mask
-    return {
-        f"{prefix}/masked_frac": _mean0((low | high).float(), mask),
-        f"{prefix}/masked_frac_low": _mean0(low.float(), mask),
-        f"{prefix}/masked_frac_high": _mean0(high.float(), mask),
-        f"{prefix}/seq_masked_frac": (low | high).any(-1).float().mean().detach(),
-    }
+    return {f"{prefix}/masked_frac": _mean0((low | high).float(), mask), f"{prefix}/masked_frac_low": _mean0(low.float(), mask),
+            f"{prefix}/masked_frac_high": _mean0(high.float(), mask), f"{prefix}/seq_masked_frac": (low | high).any(-1).float().mean().detach()}
 
 
-def icepop_weights(
-    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0
-) -> tuple[Tensor, dict[str, Tensor]]:
+def icepop_weights(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
     """IcePop token weights M(k) (Ring-1T arXiv 2510.18855; GLM-5 arXiv 2602.15763).
 
     k_t = pi_old(y_t) / pi_infer(y_t); M(k) = k if alpha <= k <= beta (inclusive) else 0. Out-of-band
@@ -358,13 +352,10 @@ def tis_weights(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, cap: float =
     with torch.no_grad():
         k = _train_infer_ratio(old_logp, infer_logp)
         w = k.clamp(max=cap) * mask
-        clipped = (k > cap) & mask
-        return w, {"tis/clip_frac": _mean0(clipped.float(), mask), "tis/weight_mean": _mean0(w, mask)}
+        return w, {"tis/clip_frac": _mean0(((k > cap) & mask).float(), mask), "tis/weight_mean": _mean0(w, mask)}
 
 
-def geo_seq_mask(
-    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0
-) -> tuple[Tensor, dict[str, Tensor]]:
+def geo_seq_mask(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
     """Sequence-level masking by the geometric-mean ratio (length-invariant).
 
     g = (prod_t k_t)^(1/|y|) = exp(mean_t log k_t) over a sequence's valid tokens; the whole sequence is
@@ -376,26 +367,27 @@ def geo_seq_mask(
         log_k = (old_logp.float() - infer_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         g = torch.exp((log_k * mask).sum(-1) / mask.sum(-1).clamp_min(1))
         keep = (g >= alpha) & (g <= beta)
-        weights = (keep[:, None] & mask).float()
-        return weights, {"geo/seq_masked_frac": (~keep).float().mean(), "geo/ratio_mean": g.mean()}
+        return (keep[:, None] & mask).float(), {"geo/seq_masked_frac": (~keep).float().mean(), "geo/ratio_mean": g.mean()}
 
 
-def mismatch_metrics(
-    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0
-) -> dict[str, Tensor]:
+def mismatch_metrics(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0) -> dict[str, Tensor]:
     """Train-inference mismatch diagnostics (logged by every run, whatever the correction).
 
     k = pi_old / pi_infer on tokens sampled from pi_infer: mismatch/k1 = mean(infer_logp - old_logp)
     and mismatch/k3 = mean(k - 1 - log k) both estimate KL(pi_infer || pi_old); mean and max
-    |old_logp - infer_logp|; k min/mean/max and its 0.1% / 99.9% quantiles; and the fractions the IcePop band [alpha, beta] would mask
-    (under mismatch/, whatever correction is active).
+    |old_logp - infer_logp| (the max is max |log k|); k min/mean/max and its 0.1% / 99.9% quantiles; the fractions the
+    IcePop band [alpha, beta] would mask; and the effective sample size of the importance weights, normalised to (0, 1]:
+    ess = (sum k)^2 / (n sum k^2) over the n valid tokens, seq_ess the same over the rows' weights prod_t k_t (VCPO's
+    collapse predictor), 1 without tokens. All under mismatch/, whatever correction is active.
     """
     _check(mask, old_logp=old_logp, infer_logp=infer_logp)
     with torch.no_grad():
         diff = (infer_logp.float() - old_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        k = torch.exp(-diff)
-        inf = torch.tensor(float("inf"), device=k.device)
+        k, inf, one = torch.exp(-diff), torch.tensor(float("inf"), device=diff.device), torch.ones((), device=diff.device)
+        log_w = -(diff * mask).sum(-1)[mask.any(-1)]  # log prod_t k_t per row with tokens; ESS via logsumexp (no overflow)
         return {
+            "mismatch/ess": (k * mask).sum() ** 2 / (mask.sum() * (k * k * mask).sum()) if mask.any() else one,
+            "mismatch/seq_ess": torch.exp(2 * log_w.logsumexp(0) - (2 * log_w).logsumexp(0)) / len(log_w) if len(log_w) else one,
             "mismatch/k1": _mean0(diff, mask),
             "mismatch/k3": _mean0(k - 1 + diff, mask),
             "mismatch/abs_diff_mean": _mean0(diff.abs(), mask),
@@ -411,6 +403,14 @@ def mismatch_metrics(
 
 
 # ----------------------------------------------------------------------------- aggregation
+
+
+def window_slope(ys: list[float]) -> float:
+    """The least-squares slope of ys against 0, 1, 2, ... (per step; NaN below 2 points or with a NaN): mismatch/k3_slope,
+    the trend of k3 over the last steps, an early warning of collapse."""
+    y = torch.tensor(ys, dtype=torch.float64)
+    x = torch.arange(len(y), dtype=torch.float64) - (len(y) - 1) / 2
+    return float((x * (y - y.mean())).sum() / (x * x).sum()) if len(y) > 1 and torch.isfinite(y).all() else float("nan")
 
 
 def loss_denominator(mask: Tensor, agg: str, max_len: int | None = None) -> Tensor:

@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+import losses
 from moe import checkpoint_tensors
 from parallel import full_weights, print0
 
@@ -115,6 +116,9 @@ def timed(m: Metrics, name: str):
         m.add({f"mem/{name}_gib_max": torch.cuda.max_memory_allocated() / 2**30})
 
 
+K3_SLOPE_WINDOW = 10  # steps in mismatch/k3_slope (losses.window_slope), logged with every step's row
+
+
 class RunLog:
     """Rank 0 writes; other ranks' calls are no-ops. ``history`` holds every logged row (for the plots)."""
 
@@ -152,6 +156,9 @@ class RunLog:
     def log(self, row: dict) -> None:
         if self.rank != 0:
             return
+        if "mismatch/k3" in row and "pretrain/step" not in row:  # k3's trend over the last K3_SLOPE_WINDOW steps (issue: collapse)
+            ks = [r["mismatch/k3"] for r in self.history if "mismatch/k3" in r and "pretrain/step" not in r][1 - K3_SLOPE_WINDOW:]
+            row["mismatch/k3_slope"] = losses.window_slope(ks + [row["mismatch/k3"]])
         self.history.append(row)
         with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -203,6 +210,8 @@ class RunLog:
             "reward": (rl, "step", [("reward / accuracy", ["rollout/reward_mean", "eval/greedy_acc", "eval/sampled_acc"])]),
             "mismatch": (rl, "step", [("KL estimate (nats/token)", ["mismatch/k1", "mismatch/k3"]),
                                       ("fraction of tokens", ["mismatch/masked_frac", "mismatch/masked_frac_low", "mismatch/masked_frac_high"])]),
+            "collapse": (rl, "step", [("effective sample size", ["mismatch/ess", "mismatch/seq_ess"]), ("max |log k|", ["mismatch/abs_diff_max"]),
+                                      ("k3 slope per step", ["mismatch/k3_slope"]), ("policy", ["ppo/grad_norm", "ppo/entropy"])]),
             "critic": (rl, "step", [("explained variance", ["critic/explained_variance", *ev_pos]),
                                     ("value loss", ["critic/value_loss"]), ("mean value", ["critic/value_mean"])]),
             "critic_pretrain": (pre, "pretrain/step", [("explained variance", ["critic/explained_variance"]), ("value loss", ["critic/value_loss"])]),
@@ -253,15 +262,9 @@ def _git_revision() -> str:
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import distributions
 
-    out = {}
-    for pkg in ("torch", "transformers", "datasets", "sglang"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
+    return {d.metadata["Name"]: d.version for d in distributions() if d.metadata["Name"] in ("torch", "transformers", "datasets", "sglang")}
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -256,7 +256,8 @@ TRAIN = os.path.join(REPO, "train_ppo.py")
 KEEP = ("eval/greedy_acc", "eval/sampled_acc", "mismatch/k3", "mismatch/masked_frac_low", "moe/flip_frac", "moe/flip_any_layer_frac",
         "mismatch/ratio_max", "mismatch/ratio_p999",
         "mismatch/masked_frac_high", "ppo/grad_norm", "ppo/entropy", "critic/explained_variance", "grpo/identical_reward_frac",
-        "rollout/turns_mean", "vine/explained_variance", "vine/extra_token_ratio")
+        "rollout/turns_mean", "vine/explained_variance", "vine/extra_token_ratio", "mismatch/ess", "mismatch/seq_ess", "mismatch/abs_diff_max",
+        "mismatch/k3_slope", "rollout/staleness")
 
 
 def grid_spec(name, quick):
@@ -608,7 +609,7 @@ def plots(g, runs, task, out_dir):
 
     files = figure("accuracy", ["eval/greedy_acc", "eval/sampled_acc"], 1, samples=True) + figure("k3", ["mismatch/k3"], logy=True)
     files += figure("masked", ["mismatch/masked_frac_low", "mismatch/masked_frac_high"]) + figure("grad_norm", ["ppo/grad_norm"])
-    files += figure("entropy", ["ppo/entropy"]) + figure("ev", ["critic/explained_variance", "vine/explained_variance"])
+    files += figure("entropy", ["ppo/entropy"]) + figure("collapse", ["mismatch/ess", "mismatch/seq_ess", "mismatch/abs_diff_max", "mismatch/k3_slope"]) + figure("ev", ["critic/explained_variance", "vine/explained_variance"])
     files += figure("identical_reward_groups", ["grpo/identical_reward_frac"])
     files += figure("routing", ["moe/flip_frac", "moe/flip_any_layer_frac"]) + figure("ratio_tail", ["mismatch/ratio_p999", "mismatch/ratio_max"])
     labels = sorted({k for rs in by_arm.values() for r in rs for row in r["rows"] for k in row if k.startswith("critic/ev_pos_")},

@@ -310,6 +310,30 @@ def test_mismatch_metrics_hand():
     assert L.mismatch_metrics(old, infer, torch.zeros_like(mask))["mismatch/ratio_p999"].item() == 1.0
 
 
+def test_effective_sample_size_hand():
+    """Token ESS (sum k)^2 / (n sum k^2); sequence ESS over the rows' weights prod_t k_t; 1 without tokens."""
+    old = torch.tensor([[math.log(2.0), 0.0, 7.0], [math.log(0.5), math.log(0.5), 0.0], [9.0, 9.0, 9.0]])
+    infer = torch.zeros(3, 3)  # k = 2, 1 | 0.5, 0.5 | (row 3 and the third column: padding)
+    mask = torch.tensor([[True, True, False], [True, True, False], [False, False, False]])
+    m = L.mismatch_metrics(old, infer, mask)
+    assert m["mismatch/ess"].item() == pytest.approx(4**2 / (4 * (4 + 1 + 0.25 + 0.25)))  # 16 / 22
+    assert m["mismatch/seq_ess"].item() == pytest.approx((2 + 0.25) ** 2 / (2 * (4 + 0.0625)))  # row weights 2 and 1/4
+    equal = L.mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    assert equal["mismatch/ess"].item() == pytest.approx(1.0) and equal["mismatch/seq_ess"].item() == pytest.approx(1.0)
+    # one row's weight e^60 dominates (no overflow in float32: logsumexp): ESS -> 1 / n
+    huge = L.mismatch_metrics(torch.tensor([[20.0, 20.0, 20.0], [0.0, 0.0, 0.0]]), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    assert huge["mismatch/seq_ess"].item() == pytest.approx(0.5) and math.isfinite(huge["mismatch/ess"].item())
+    none = L.mismatch_metrics(old, infer, torch.zeros_like(mask))
+    assert none["mismatch/ess"].item() == 1.0 and none["mismatch/seq_ess"].item() == 1.0
+
+
+def test_window_slope_hand():
+    assert L.window_slope([1.0, 3.0, 5.0]) == pytest.approx(2.0)
+    assert L.window_slope([0.0, 1.0, 0.0, 1.0]) == pytest.approx(0.2)  # sum (x - 1.5)(y - 0.5) / sum (x - 1.5)^2 = 1 / 5
+    assert L.window_slope([4.0, 4.0]) == 0.0
+    assert math.isnan(L.window_slope([1.0])) and math.isnan(L.window_slope([1.0, float("nan"), 2.0]))
+
+
 # ----------------------------------------------------------------------------- PPO / DIS / value
 
 
