@@ -170,6 +170,9 @@ class Config:
     from weights up to N - 1 updates old, the colocated analogue of an asynchronous pipeline's staleness
     (rollout/staleness), which IcePop's ratio pi_old / pi_infer then measures. --save-every (and, evaluating with the
     rollout engine, --eval-every) must be multiples of N."""
+    moe_flip: float = 0.0
+    """Lab knob (off at 0): the embedded engine routes each token's k-th expert to the (k+1)-th best with this
+    probability per token and MoE layer, a heavy-tailed discrete mismatch the trainer does not make (docs/engines.md)."""
     routing_replay: bool = False
     """MoE: the trainer's recompute and policy passes use the experts the engine chose for each token (R3); the gate
     weights stay the trainer router's softmax at those experts. Embedded engine, single-turn tasks."""
@@ -294,7 +297,11 @@ def resolve(cfg: Config, world_size: int) -> dict:
             errors.append(f"--out-dir {cfg.out_dir!r}: {parent!r} is not writable")
     if cfg.model and not os.path.isfile(os.path.join(cfg.model, "config.json")):
         errors.append(f"--model {cfg.model!r} is not a Hugging Face model folder (no config.json); hub names must be downloaded first")
+    if not 0 <= cfg.moe_flip <= 1:
+        errors.append(f"--moe-flip must be a probability in [0, 1], got {cfg.moe_flip}")
     if cfg.engine == "sglang":
+        if cfg.moe_flip:
+            errors.append("--moe-flip is a knob of the embedded engine (--engine embedded)")
         if cfg.engine_dtype in ("fp8", "int4"):
             errors.append(f"--engine sglang takes --engine-dtype fp32 or bf16 ({cfg.engine_dtype} fake-quantised weights are the "
                           "embedded engine's; SGLang 0.5.23 has no on-the-fly weight quantisation that update_weights can refresh)")

@@ -98,6 +98,7 @@ class Decoder:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps, self.scale = c.rms_norm_eps, self.head_dim**-0.5  # the scale HF and SDPA use
         self.top_k, self.norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
+        self.flip: tuple[float, torch.Generator] | None = None  # moe.sparse_block's expert flips (EmbeddedEngine moe_flip)
         # RoPE tables for every position, computed like HF (fp32 angles, then cast to the compute dtype).
         D, theta = self.head_dim, c.rope_parameters["rope_theta"]
         inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float) / D))
@@ -163,5 +164,5 @@ class Decoder:
                 gate, up = F.linear(h, gu_w, gu_b).chunk(2, dim=-1)
                 x = x + F.linear(F.silu(gate) * up, down_w, down_b)
             else:
-                x = x + moe.sparse_block(h, router, egu, edown, self.top_k, self.norm_topk, routes)
+                x = x + moe.sparse_block(h, router, egu, edown, self.top_k, self.norm_topk, routes, self.flip)
         return _rmsnorm(x, self.norm, self.eps)

@@ -63,12 +63,18 @@ def _route(self, hidden_states: Tensor):
     return logits, top.to(logits.dtype), idx
 
 
-def sparse_block(h: Tensor, router: Tensor, w1: Tensor, w2: Tensor, k: int, norm: bool, routes: list | None) -> Tensor:
+def sparse_block(h: Tensor, router: Tensor, w1: Tensor, w2: Tensor, k: int, norm: bool, routes: list | None,
+                 flip: tuple[float, torch.Generator] | None = None) -> Tensor:
     """The embedded engine's Qwen3-MoE block, as HF computes it: fp32 softmax, top-k, renormalised if ``norm``, experts
-    in order; appends the experts [..., k] to ``routes`` when given."""
+    in order; appends the experts [..., k] to ``routes`` when given. flip = (q, generator), the lab's heavy-tailed
+    mismatch knob (--moe-flip): each token's k-th expert is swapped for the (k+1)-th best with probability q (one
+    uniform per token from the generator), its gate weight with it, as a near-tie at the top-k boundary would."""
     flat = h.reshape(-1, h.size(-1))
     probs = torch.softmax(F.linear(flat, router), dtype=torch.float, dim=-1)
-    top, idx = torch.topk(probs, k, dim=-1)
+    top, idx = torch.topk(probs, k + 1 if flip else k, dim=-1)
+    if flip:
+        hit = (torch.rand(len(flat), generator=flip[1], device=flat.device) < flip[0])[:, None]
+        top, idx = (torch.cat([x[:, : k - 1], torch.where(hit, x[:, k:], x[:, k - 1 : k])], -1) for x in (top, idx))
     if norm:
         top = top / top.sum(-1, keepdim=True)
     top, out = top.to(flat.dtype), torch.zeros_like(flat)

@@ -257,10 +257,13 @@ class EmbeddedEngine:
         `logits()` included, so `logits()` equals generate's log-probs.
     max_batch_tokens: KV-cache capacity in tokens; a batch of B rows of prompt + response length S runs
         in chunks of max_batch_tokens // S rows (the draws do not depend on the chunking).
+    moe_flip: a lab knob (--moe-flip, off at 0): an MoE engine routes each token's k-th expert to the (k+1)-th best
+        with this probability per token and layer (moe.sparse_block), drawn from a generator seeded per generate call
+        by its first row's sampling seed (per logits() call by 0), so the flips hang on the call's batch and chunking.
     """
 
     def __init__(self, model_or_path, *, dtype: str = "fp32", kv_cache_dtype: str = "auto",
-                 device: str | torch.device = "cpu", max_batch_tokens: int = 65536):
+                 device: str | torch.device = "cpu", max_batch_tokens: int = 65536, moe_flip: float = 0.0):
         if dtype not in DTYPES:
             raise ValueError(f"EmbeddedEngine: dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -278,6 +281,10 @@ class EmbeddedEngine:
         self.device, self.max_batch_tokens = torch.device(device), max_batch_tokens
         self.vocab_size, self.max_positions, self.tied = c.vocab_size, c.max_position_embeddings, bool(c.tie_word_embeddings)
         self.lm = Decoder(c, self.dtype, self.kv_dtype, self.device)
+        if not 0 <= moe_flip <= 1 or (moe_flip and not self.lm.top_k):
+            raise ValueError(f"EmbeddedEngine: moe_flip (--moe-flip) must be in [0, 1] and needs an MoE model, got {moe_flip} "
+                             f"for a {c.model_type} model")
+        self.lm.flip = (moe_flip, torch.Generator(self.device)) if moe_flip else None
 
         # name -> (store key, row range within it); the store holds the fused, precision-transformed weights.
         parts: dict[str, list[tuple[int, str, Tensor]]] = {}
@@ -413,6 +420,8 @@ class EmbeddedEngine:
         self._check_ready("logits")
         ids = input_ids.to(self.device)
         pos = torch.arange(ids.size(1), device=self.device).expand_as(ids)
+        if self.lm.flip:
+            self.lm.flip[1].manual_seed(0)
         return F.linear(self.lm.forward(ids, pos, None), self.lm.lm_head).float()
 
     # ---- sampling --------------------------------------------------------------------------------
@@ -429,6 +438,8 @@ class EmbeddedEngine:
         check_request(prompt_ids, sampling, self.vocab_size, self.max_positions)
         prompts, n = [list(p) for p in prompt_ids], sampling.n
         P = max(len(p) for p in prompts)
+        if self.lm.flip:
+            self.lm.flip[1].manual_seed(sampling.row_seed(0))
         # A prompt's n samples stay in one chunk: its prefill runs once and is copied to the n rows.
         per_chunk = self.max_batch_tokens // ((P + sampling.max_new_tokens) * n)
         if per_chunk == 0:
@@ -540,7 +551,7 @@ def make_engine(cfg, path: str, device: torch.device) -> Engine:
         gpu = dict(base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION) if device.type == "cuda" else {}
         # --seed seeds SGLang's sampling stream (on CPU the only seed it honours; see sglang_engine's docstring).
         return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed, **gpu)
-    return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device)
+    return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device, moe_flip=cfg.moe_flip)
 
 
 def push_weights(policy, engine: Engine | None) -> None:

@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_mismatch.py                     # default tiny model, addition, 256 prompts
     .venv/bin/python bench/bench_mismatch.py --task sort --prompts 256 --models .cache/tiny-addition-... other/
     .venv/bin/python bench/bench_mismatch.py --tiny moe --prompts 1024    # the tiny MoE: also router flips
+    .venv/bin/python bench/bench_mismatch.py --tiny moe --moe-flip 0.01 0.05 0.2   # + the lab's expert-flip knob
 
 For each model folder and knob (engine dtype + KV-cache dtype) the engine samples one response per prompt
 (train prompts of the task, chat formatted, temperature 1 and the <|im_end|> stop, as train_ppo.py samples),
@@ -14,8 +15,12 @@ and the HF model in fp32 recomputes the log-probs of the same tokens as train_pp
                positions (the engine's from EmbeddedEngine.logits over prompt + response, no cache)
     out [0.5,2] tokens whose k leaves IcePop's band (what it masks), per mille
     max|log k|
+    ESS        the effective sample size of the tokens' k, (sum k)^2 / (n sum k^2) (losses.mismatch_metrics)
     flips      MoE models: router choices (token x layer) whose expert set differs between engine and trainer, and
                tokens with a differing set in any layer, in percent (moe.flip_metrics)
+
+--moe-flip q (MoE models) adds an fp32 engine whose k-th expert is swapped for the (k+1)-th best with probability q
+per token and layer (train_ppo.py --moe-flip, a lab knob): a discrete, heavy-tailed mismatch.
 
 The fp32 row is the control (same pipeline, no precision change). One thread; the default run takes
 under a minute on 2 shared cores, most of it in the bf16-compute knobs (bf16 matmuls are slow on CPUs
@@ -72,8 +77,8 @@ def engine_logits(engine: EmbeddedEngine, ro: Rollout) -> torch.Tensor:
     return out
 
 
-def measure(model, dtype: str, kv: str, prompts: list[list[int]], sampling: Sampling, pad_id: int) -> dict:
-    engine = EmbeddedEngine(model, dtype=dtype, kv_cache_dtype=kv)
+def measure(model, dtype: str, kv: str, prompts: list[list[int]], sampling: Sampling, pad_id: int, flip: float = 0.0) -> dict:
+    engine = EmbeddedEngine(model, dtype=dtype, kv_cache_dtype=kv, moe_flip=flip)
     ro = engine.generate(prompts, sampling)
     train, own = train_logits(model, ro, pad_id)
     train_logp = losses.token_logprobs(train, ro.tokens)
@@ -86,7 +91,7 @@ def measure(model, dtype: str, kv: str, prompts: list[list[int]], sampling: Samp
     p, q = engine_logits(engine, ro).log_softmax(-1), train.log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)[ro.mask]
     return {"k3": m["mismatch/k3"].item(), "kl": kl.mean().item(), "out": 1000 * m["mismatch/masked_frac"].item(),
-            "max": m["mismatch/abs_diff_max"].item(), "tokens": int(ro.mask.sum()),
+            "max": m["mismatch/abs_diff_max"].item(), "ess": m["mismatch/ess"].item(), "tokens": int(ro.mask.sum()),
             "flips": 100 * float(m.get("moe/flip_frac", float("nan"))), "any": 100 * float(m.get("moe/flip_any_layer_frac", float("nan")))}
 
 
@@ -97,6 +102,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=256, help="train prompts sampled per knob (one response each)")
     ap.add_argument("--seed", type=int, default=0, help="picks the prompts and seeds the sampling")
     ap.add_argument("--tiny", default="dense", choices=["dense", "moe"], help="the default model's architecture (without --models)")
+    ap.add_argument("--moe-flip", type=float, nargs="*", default=[], help="MoE models: also these expert-flip rates (fp32 engine)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -112,13 +118,14 @@ def main():
         sampling = Sampling(temperature=1.0, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,),
                             seed=args.seed)
         print(f"model {path}\ntask {args.task}, {args.prompts} prompts, seed {args.seed}; per response token:")
-        print(f"{'engine':<12} {'kv cache':<9} {'k3':>9} {'exact KL':>9} {'out [0.5,2]':>12} {'max|log k|':>11} "
+        print(f"{'engine':<15} {'kv cache':<9} {'k3':>9} {'exact KL':>9} {'out [0.5,2]':>12} {'max|log k|':>11} {'ESS':>7} "
               f"{'tokens':>7} {'s':>5} {'flips %':>8} {'any layer %':>12}")
-        for dtype, kv in KNOBS:
+        flips = [("fp32", "auto", q) for q in args.moe_flip] if moe.is_moe(model.config) else []
+        for dtype, kv, q in [(d, k, 0.0) for d, k in KNOBS] + flips:
             t0 = time.perf_counter()
-            r = measure(model, dtype, kv, prompts, sampling, tok.pad_token_id)
-            print(f"{dtype:<12} {kv:<9} {r['k3']:>9.2e} {r['kl']:>9.2e} {r['out']:>10.2f}\u2030 {r['max']:>11.3f} "
-                  f"{r['tokens']:>7} {time.perf_counter() - t0:>5.1f} {r['flips']:>8.2f} {r['any']:>12.2f}", flush=True)
+            r = measure(model, dtype, kv, prompts, sampling, tok.pad_token_id, q)
+            print(f"{dtype + (f' flip {q:g}' if q else ''):<15} {kv:<9} {r['k3']:>9.2e} {r['kl']:>9.2e} {r['out']:>10.2f}\u2030 {r['max']:>11.3f} "
+                  f"{r['ess']:>7.4f} {r['tokens']:>7} {time.perf_counter() - t0:>5.1f} {r['flips']:>8.2f} {r['any']:>12.2f}", flush=True)
 
 
 if __name__ == "__main__":

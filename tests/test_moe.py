@@ -10,6 +10,7 @@ import torch
 import transformers
 
 import moe
+from config import Config, resolve
 from conftest import read_metrics, train_cli
 from conftest import trainer_logp as _trainer_logp
 from data.tiny import build_tokenizer, tiny_moe_config
@@ -60,6 +61,32 @@ def test_fp32_engine_equals_the_hf_forward_and_records_its_routing(model):
     assert torch.equal(s.routing[:, : b.response_start], b.routing[::2, : b.response_start])
     S = b.input_ids.size(1)  # sequence 0 = the prompt, row 0's response columns, then row 1's
     assert torch.equal(s.routing[0, S:], b.routing[1, b.response_start :])
+
+
+def test_moe_flip_knob_swaps_the_kth_expert_at_its_rate(model):
+    """--moe-flip q: at the prompt columns of layer 0 (whose input no flip can reach) the engine's expert sets differ
+    from the unflipped engine's on a share q of the tokens (binomial, 4 sd), by one expert each: the k-th choice swapped
+    for the (k+1)-th. q = 0 is today's engine, bit for bit; refusals."""
+    prompts = torch.randint(0, 300, (24, 20), generator=torch.Generator().manual_seed(1)).tolist()
+    s = Sampling(temperature=1.0, max_new_tokens=4, seed=5)
+    plain, zero, flip = (EmbeddedEngine(model, dtype="fp32", **kw).generate(prompts, s) for kw in ({}, {"moe_flip": 0.0}, {"moe_flip": 0.3}))
+    assert torch.equal(plain.tokens, zero.tokens) and torch.equal(plain.infer_logp, zero.infer_logp) and torch.equal(plain.routing, zero.routing)
+    a, b = plain.routing[:, :20, 0], flip.routing[:, :20, 0]  # [rows, prompt columns, k]
+    differs = (a.sort(-1).values != b.sort(-1).values).any(-1)
+    rate, sd = differs.float().mean().item(), (0.3 * 0.7 / differs.numel()) ** 0.5
+    assert abs(rate - 0.3) < 4 * sd, rate
+    assert torch.equal(a[differs][:, 0], b[differs][:, 0]) and (a[differs][:, 1] != b[differs][:, 1]).all()  # top-1 kept, k-th swapped
+    assert (flip.routing[:, :, 1:] != plain.routing[:, :, 1:]).any()  # later layers see flipped inputs (and their own flips)
+    for q in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"moe_flip \(--moe-flip\) must be in \[0, 1\]"):
+            EmbeddedEngine(model, moe_flip=q)
+    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                                   num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        EmbeddedEngine(dense, moe_flip=0.1)
+    for kw, msg in ((dict(moe_flip=1.5), r"--moe-flip must be a probability in \[0, 1\]"), (dict(engine="sglang", moe_flip=0.1), "--moe-flip is a knob of the embedded")):
+        with pytest.raises(ValueError, match=msg):
+            resolve(Config(**kw), 1)
 
 
 def test_router_replay_hand_case():
