@@ -69,6 +69,8 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --engine embedded \
   --engine-dtype bf16 \
   --kv-cache-dtype auto \
+  --sync-every 1 \
+  --moe-flip 0.0 \
   --no-routing-replay \
   --tp 1 \
   --no-fsdp \

@@ -1,0 +1,58 @@
+"""tools.py: the hermes and glm tool-call parsers on hand-written model turns (well-formed, several calls, no call,
+malformed: an error string, never an exception, never an eval), and the calculator's AST walk."""
+
+import pytest
+
+from tools import ToolCall, calculator, parse_tool_calls
+
+SCHEMAS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}},
+           {"type": "function", "function": {"name": "guess", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}]
+
+
+def test_hermes_calls_text_and_errors():
+    turn = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "guess", "arguments": "{\\"n\\": 7}"}\n</tool_call>')
+    text, calls, errors = parse_tool_calls(turn, "hermes")
+    assert text == "Let me compute." and errors == []
+    assert calls == [ToolCall("calculator", {"expression": "2+3"}), ToolCall("guess", {"n": 7})]  # string arguments decoded
+    assert parse_tool_calls("The answer is 5.", "hermes") == ("The answer is 5.", [], [])
+    assert parse_tool_calls('<tool_call>{"name": "noargs"}</tool_call>', "hermes")[1] == [ToolCall("noargs", {})]
+    for bad, why in (('<tool_call>{"name": calculator}</tool_call>', "not valid JSON"), ('<tool_call>[1, 2]</tool_call>', 'with a "name" string'),
+                     ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '"arguments" must be an object'),
+                     ('<tool_call>{"name": "f", "arguments": "x("}</tool_call>', "not a JSON object"),
+                     ('ok <tool_call>{"name": "f"', "not closed")):
+        text, calls, errors = parse_tool_calls(bad, "hermes")
+        assert calls == [] and len(errors) == 1 and why in errors[0], (bad, errors)
+    assert parse_tool_calls('ok <tool_call>{"name": "f"', "hermes")[0] == "ok"
+    # a good call beside a bad one: both reported
+    _, calls, errors = parse_tool_calls('<tool_call>{"name": "a"}</tool_call><tool_call>nope</tool_call>', "hermes")
+    assert calls == [ToolCall("a")] and len(errors) == 1
+
+
+def test_glm_calls_argument_types_and_observation_stop():
+    turn = ("I will guess.<tool_call>guess\n<arg_key>n</arg_key>\n<arg_value>42</arg_value>\n</tool_call>"
+            "<tool_call>calculator<arg_key>expression</arg_key><arg_value>12</arg_value></tool_call><|observation|>")
+    text, calls, errors = parse_tool_calls(turn, "glm", SCHEMAS)
+    # the schema types n as an integer (JSON-decoded) and expression as a string (kept as text)
+    assert (text, errors) == ("I will guess.", []) and calls == [ToolCall("guess", {"n": 42}), ToolCall("calculator", {"expression": "12"})]
+    assert parse_tool_calls("<tool_call>now</tool_call>", "glm")[1] == [ToolCall("now", {})]  # no arguments
+    assert parse_tool_calls("<tool_call>f<arg_key>x</arg_key><arg_value>[1, 2]</arg_value></tool_call>", "glm")[1] == [ToolCall("f", {"x": [1, 2]})]
+    assert parse_tool_calls("<tool_call>f<arg_key>x</arg_key><arg_value>os.system('ls')</arg_value></tool_call>", "glm")[1] == [
+        ToolCall("f", {"x": "os.system('ls')"})]  # not JSON: the text itself, never evaluated
+    for bad, why in (("<tool_call><arg_key>x</arg_key><arg_value>1</arg_value></tool_call>", "no function name"),
+                     ("<tool_call>f<arg_key>x</arg_key>1</tool_call>", "not <arg_key>k</arg_key><arg_value>v</arg_value> pairs")):
+        _, calls, errors = parse_tool_calls(bad, "glm")
+        assert calls == [] and len(errors) == 1 and why in errors[0], errors
+    with pytest.raises(ValueError, match="unknown tool parser 'xml'"):
+        parse_tool_calls("", "xml")
+
+
+def test_calculator():
+    assert calculator("2 + 3 * 4") == "14" and calculator("(2 + 3) * 4") == "20" and calculator("-7 // 2") == "-4"
+    assert calculator("7 / 2") == "3.5" and calculator("6 / 3") == "2" and calculator("2 ** 10") == "1024" and calculator("17 % 5") == "2"
+    assert calculator("1.5 * 2") == "3" and calculator(" 0.1 + 0.2 ") == "0.30000000000000004"
+    for bad, why in (("__import__('os').system('ls')", "only numbers"), ("x + 1", "only numbers"), ("'a' * 3", "only numbers"),
+                     ("1 / 0", "division by zero"), ("2 ** 100", "exponents above 64"), ("(2 ** 64) ** 64 * 2 ** 64", "too large"),
+                     ("1 +", "not an arithmetic expression"), ("1" * 300, "at most 200 characters"), ("10.0 ** 65", "exponents above")):
+        with pytest.raises(ValueError, match=why):
+            calculator(bad)

@@ -1,0 +1,154 @@
+"""Tool calls in a model's own output format, and the built-in tools. Pure Python: no model, no engine.
+
+    from tools import parse_tool_calls, calculator
+    text, calls, errors = parse_tool_calls('<tool_call>\\n{"name": "calculator", "arguments": {"expression": "2+3"}}\\n</tool_call>', "hermes")
+    calls[0].name, calls[0].arguments          # 'calculator', {'expression': '2+3'}
+    calculator("2 + 3 * 4")                    # '14'
+
+Parsers (`--tool-parser`), by model family:
+- `hermes`: JSON {"name": ..., "arguments": {...}} inside <tool_call>...</tool_call>, one block per call: Qwen2.5,
+  Qwen3 and other ChatML models whose chat template renders tools the Hermes way (NousResearch's format).
+- `glm`: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call> (GLM-4.5 and later, GLM-5): a
+  call with no arguments is <tool_call>name</tool_call>; a turn that calls tools ends at <|observation|>, which the
+  parser drops. An argument the tool's schema types as a string stays the raw text; any other is read as JSON when
+  it parses (numbers, booleans, lists, objects) and kept as text otherwise.
+
+Model text is never evaluated: JSON goes through json.loads, arithmetic through an AST walk over numbers and
+operators (calculator). A malformed call is an error string in `errors` (the driver answers it as the tool's output
+and counts it), never an exception. A call's text outside the tool blocks is `text` (the answer when there is no call).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+
+PARSERS = ("hermes", "glm")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict = field(default_factory=dict)
+
+
+_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_UNCLOSED = re.compile(r"<tool_call>(?!.*</tool_call>)", re.DOTALL)
+
+
+def parse_tool_calls(text: str, parser: str, schemas: list[dict] | None = None) -> tuple[str, list[ToolCall], list[str]]:
+    """(the text outside tool blocks, stripped; the well-formed calls in order; one error message per malformed call)
+    of one model turn. schemas: the tools' JSON schemas ({"type": "function", "function": {"name", "parameters"}}, as
+    transformers.utils.get_json_schema writes them), which `glm` reads for the argument types."""
+    if parser not in PARSERS:
+        raise ValueError(f"unknown tool parser {parser!r}; expected one of {list(PARSERS)}")
+    calls, errors = [], []
+    if parser == "glm":
+        text = text.replace("<|observation|>", "")
+    for body in _BLOCK.findall(text):
+        call = _hermes(body) if parser == "hermes" else _glm(body, schemas or [])
+        (calls if isinstance(call, ToolCall) else errors).append(call)
+    rest = _BLOCK.sub("", text)
+    if _UNCLOSED.search(rest):
+        errors.append("a <tool_call> block is not closed with </tool_call>")
+        rest = rest[: rest.index("<tool_call>")]
+    return rest.strip(), calls, errors
+
+
+def _hermes(body: str) -> ToolCall | str:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return f"the tool call is not valid JSON ({e.msg} at character {e.pos}): {body.strip()[:200]!r}"
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return f'the tool call must be a JSON object with a "name" string: {body.strip()[:200]!r}'
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return f"the tool call's arguments are a string that is not a JSON object: {args[:200]!r}"
+    if not isinstance(args, dict):
+        return f'the tool call\'s "arguments" must be an object, got {type(args).__name__}'
+    return ToolCall(obj["name"], args)
+
+
+def _glm(body: str, schemas: list[dict]) -> ToolCall | str:
+    name, _, rest = body.partition("<arg_key>")
+    name = name.strip()
+    if not name or any(c.isspace() for c in name):
+        return f"the tool call has no function name before its arguments: {body.strip()[:200]!r}"
+    rest = "<arg_key>" + rest if rest else ""
+    pairs = _GLM_ARG.findall(rest)
+    if _GLM_ARG.sub("", rest).strip():
+        return f"the tool call's arguments are not <arg_key>k</arg_key><arg_value>v</arg_value> pairs: {body.strip()[:200]!r}"
+    props = next((s["function"].get("parameters", {}).get("properties", {}) for s in schemas if s.get("function", {}).get("name") == name), {})
+    args = {}
+    for k, v in pairs:
+        k = k.strip()
+        if props.get(k, {}).get("type") == "string":
+            args[k] = v
+            continue
+        try:
+            args[k] = json.loads(v)
+        except json.JSONDecodeError:
+            args[k] = v
+    return ToolCall(name, args)
+
+
+# ----------------------------------------------------------------------------- built-in tools
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_EXPRESSION = 200  # characters
+MAX_POWER = 64  # the largest exponent calculator takes (2 ** 10 ** 9 would not finish)
+MAX_BITS = 1024  # the largest intermediate integer, in bits (nested powers stay fast)
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.
+
+    Args:
+        expression: the arithmetic expression, e.g. "12 * (3 + 4)".
+    """
+    if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION:
+        raise ValueError(f"calculator takes an expression of at most {MAX_EXPRESSION} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an arithmetic expression: {e.msg}") from None
+    value = _arith(tree.body)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("the result is not a finite number")
+        return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
+    return str(value)
+
+
+def _arith(node):
+    """The value of an arithmetic AST node: constants (int, float), the binary and unary operators above; anything
+    else (names, calls, attributes, strings) is refused."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_arith(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _arith(node.left), _arith(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_POWER:
+            raise ValueError(f"exponents above {MAX_POWER} are refused")
+        try:
+            value = _OPS[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ValueError("division by zero") from None
+        except OverflowError:
+            raise ValueError("the result is too large") from None
+        if isinstance(value, int) and value.bit_length() > MAX_BITS:
+            raise ValueError(f"the result is too large (over {MAX_BITS} bits)")
+        return value
+    raise ValueError(f"only numbers and + - * / // % ** ( ) are allowed, not {type(node).__name__}")
