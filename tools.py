@@ -1,9 +1,10 @@
 """Tool calls in a model's own output format, and the built-in tools. Pure Python: no model, no engine.
 
-    from tools import parse_tool_calls, calculator
+    from tools import parse_tool_calls, calculator, python
     text, calls, errors = parse_tool_calls('<tool_call>\\n{"name": "calculator", "arguments": {"expression": "2+3"}}\\n</tool_call>', "hermes")
     calls[0].name, calls[0].arguments          # 'calculator', {'expression': '2+3'}
     calculator("2 + 3 * 4")                    # '14'
+    python("print(sum(range(10)))")            # '45\\n'
 
 Parsers (`--tool-parser`), by model family:
 - `hermes`: JSON {"name": ..., "arguments": {...}} inside <tool_call>...</tool_call>, one block per call: Qwen2.5,
@@ -24,7 +25,12 @@ import ast
 import json
 import math
 import operator
+import os
 import re
+import signal
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass, field
 
 PARSERS = ("hermes", "glm")
@@ -152,3 +158,57 @@ def _arith(node):
             raise ValueError(f"the result is too large (over {MAX_BITS} bits)")
         return value
     raise ValueError(f"only numbers and + - * / // % ** ( ) are allowed, not {type(node).__name__}")
+
+
+@dataclass(frozen=True)
+class PythonLimits:
+    """The python tool's limits (per call)."""
+
+    timeout: float = 5.0  # wall-clock seconds, then the whole process group is killed
+    cpu_seconds: int = 5  # RLIMIT_CPU
+    memory_bytes: int = 512 * 2**20  # RLIMIT_AS
+    open_files: int = 32  # RLIMIT_NOFILE
+    file_bytes: int = 2**20  # RLIMIT_FSIZE: the largest file it may write
+    output_chars: int = 2000  # stdout + stderr, truncated beyond this
+
+
+def python(code: str, limits: PythonLimits = PythonLimits()) -> str:
+    """Run a Python program and return what it printed (stdout, then stderr), truncated.
+
+    Not a security boundary: a separate interpreter in isolated mode (python -I: no user site, no PYTHON* variables,
+    not the current folder on the path), an empty environment, a fresh temporary working folder, resource limits on
+    memory, CPU time, open files and file size, and a wall-clock timeout that kills its whole process group. It can
+    still read what the user running the trainer can read, and use the network. Run untrusted models in a container.
+
+    Args:
+        code: the Python source to run, e.g. "print(2 ** 10)".
+    """
+    if not isinstance(code, str):
+        raise ValueError(f"python takes the source code as a string, got {type(code).__name__}")
+
+    def limit():  # in the child, before exec
+        import resource
+
+        for what, n, hard in ((resource.RLIMIT_CPU, limits.cpu_seconds, limits.cpu_seconds + 1),  # SIGXCPU first, then SIGKILL
+                              (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes), (resource.RLIMIT_NOFILE, limits.open_files, limits.open_files),
+                              (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes)):
+            resource.setrlimit(what, (n, hard))
+
+    with tempfile.TemporaryDirectory(prefix="tool-python-") as work:
+        with open(os.path.join(work, "main.py"), "w") as f:
+            f.write(code)
+        proc = subprocess.Popen([sys.executable, "-I", "main.py"], cwd=work, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, preexec_fn=limit, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=limits.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise ValueError(f"the program ran past the {limits.timeout:g} s time limit and was stopped") from None
+    text = out.decode("utf-8", "replace") + err.decode("utf-8", "replace")
+    if proc.returncode < 0:
+        text += f"\n(killed by signal {signal.Signals(-proc.returncode).name}: a resource limit)"
+    elif proc.returncode:
+        text += f"\n(exit code {proc.returncode})"
+    return text if len(text) <= limits.output_chars else text[: limits.output_chars] + f"\n... ({len(text) - limits.output_chars} more characters cut)"
+

@@ -1,9 +1,13 @@
 """tools.py: the hermes and glm tool-call parsers on hand-written model turns (well-formed, several calls, no call,
-malformed: an error string, never an exception, never an eval), and the calculator's AST walk."""
+malformed: an error string, never an exception, never an eval), the calculator's AST walk, and the python tool's
+isolation and limits."""
+
+import os
+import time
 
 import pytest
 
-from tools import ToolCall, calculator, parse_tool_calls
+from tools import PythonLimits, ToolCall, calculator, parse_tool_calls, python
 
 SCHEMAS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}},
            {"type": "function", "function": {"name": "guess", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}]
@@ -56,3 +60,27 @@ def test_calculator():
                      ("1 +", "not an arithmetic expression"), ("1" * 300, "at most 200 characters"), ("10.0 ** 65", "exponents above")):
         with pytest.raises(ValueError, match=why):
             calculator(bad)
+
+
+def test_python_tool_runs_isolated_with_limits(tmp_path):
+    assert python("print(sum(range(10)))") == "45\n"
+    env, cwd, isolated = python("import os, sys; print(sorted(os.environ)); print(os.getcwd()); print(sys.flags.isolated)").splitlines()
+    assert "PATH" not in env and "HOME" not in env and "tool-python-" in cwd and cwd != os.getcwd() and isolated == "1"
+    assert "ZeroDivisionError" in python("1 / 0") and python("1 / 0").endswith("(exit code 1)")
+    assert "MemoryError" in python("x = bytearray(2 ** 31)")  # RLIMIT_AS, 512 MiB
+    assert "OSError: [Errno 27] File too large" in python("open('big', 'wb').write(b'0' * 2 ** 21)")  # RLIMIT_FSIZE, 1 MiB
+    out = python("print('a' * 5000)")
+    assert out.startswith("a" * 2000) and out.endswith("... (3001 more characters cut)")
+    assert "Too many open files" in python("fs = [open('f%d' % i, 'w') for i in range(100)]")
+    # the wall clock: the whole process group goes, the program's own children too
+    pid_file = tmp_path / "pid"
+    code = f"import subprocess, time\np = subprocess.Popen(['sleep', '30'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\ntime.sleep(30)"
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="ran past the 1 s time limit"):
+        python(code, PythonLimits(timeout=1))
+    assert time.monotonic() - t0 < 10
+    pid, deadline = int(pid_file.read_text()), time.monotonic() + 5
+    while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+    assert python("while True: pass", PythonLimits(timeout=20, cpu_seconds=1)).endswith("(killed by signal SIGXCPU: a resource limit)")
