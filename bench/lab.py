@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, when imported from elsewhere (tests)
-from lab_stats import NAN, auc, ci95, finite, judge, paired, verdict_credit  # noqa: E402, F401  (lab.judge etc. for notebooks and tests)
+from lab_stats import NAN, auc, ci95, collapse_step, finite, first_crossing, fisher_exact, judge, paired, survival, verdict_credit  # noqa: E402, F401  (lab.judge etc. for notebooks and tests)
 
 ALGOS = {"ppo": ["--algo", "ppo"], "grpo": ["--algo", "grpo", "--n-samples", "8"]}
 MISMATCH_ARMS = {  # appended to each algorithm's flags: arm "<algo>-<label>"

@@ -1,5 +1,7 @@
 """The lab's statistics (bench/lab.py): the 95% t-interval of a mean, the area under a held-out curve, paired-seed
-differences between two arms and the verdict on one such difference. Standard library only (scipy is not a dependency).
+differences between two arms and the verdict on one such difference; for collapse grids, Fisher's exact test, the step
+of collapse, the survival curve and the step an early warning crossed its threshold. Standard library only (scipy is
+not a dependency).
 
     from lab_stats import auc, ci95, judge, paired    # from bench/, or with bench/ on sys.path
 """
@@ -113,3 +115,38 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None, root=""):
         return lines + [f"Decisive comparisons (primary endpoint, informative tasks): {'; '.join(decided)}."]
     return lines + (["**Null result**: no informative comparison on the primary endpoint is BETTER or WORSE."] if True in judged
                     else [f"**Not judged**: no comparison has {need} paired seeds yet."])
+
+
+def fisher_exact(a: int, b: int, c: int, d: int) -> float:
+    """Two-sided p-value of Fisher's exact test on the 2x2 table [[a, b], [c, d]] (rows: two arms; columns: collapsed,
+    not): the probability, under the hypergeometric law with the table's margins, of every table at most as likely as
+    this one (R's fisher.test and scipy's convention, with a relative tolerance of 1e-7 on ties)."""
+    n, row, col = a + b + c + d, a + b, a + c
+    p = lambda x: math.comb(col, x) * math.comb(n - col, row - x) / math.comb(n, row)  # noqa: E731  P(top-left cell = x)
+    here = p(a)
+    return min(1.0, sum(q for x in range(max(0, row + col - n), min(row, col) + 1) if (q := p(x)) <= here * (1 + 1e-7)))
+
+
+def collapse_step(rows, key, margin, nonfinite_step=None):
+    """The first evaluation step (after step 0) at which rows' key (an accuracy in [0, 1]) is at least `margin` below
+    its step-0 value, or the step of a non-finite stop, whichever comes first; None if neither happened."""
+    ev = sorted((r["step"], r[key]) for r in rows if finite(r.get(key)))
+    if not ev or ev[0][0] != 0:
+        raise ValueError(f"collapse_step needs an evaluation of {key} at step 0; got steps {[s for s, _ in ev]}")
+    hits = [s for s, v in ev[1:] if v <= ev[0][1] - margin] + ([nonfinite_step] if nonfinite_step is not None else [])
+    return min(hits) if hits else None
+
+
+def survival(steps_of_collapse, grid):
+    """The share of runs not collapsed by each step of grid: steps_of_collapse holds one collapse step (or None) per run."""
+    n = len(steps_of_collapse)
+    return [sum(s is None or s > g for s in steps_of_collapse) / n if n else NAN for g in grid]
+
+
+def first_crossing(rows, key, threshold, below=True, start=1):
+    """The first step >= start whose rows' key is below (or above, below=False) threshold, None if never: when an early
+    warning (seq ESS falling, max |log k| rising) moved, to set beside the collapse step."""
+    for r in sorted((r for r in rows if r["step"] >= start and finite(r.get(key))), key=lambda r: r["step"]):
+        if (r[key] < threshold) if below else (r[key] > threshold):
+            return r["step"]
+    return None

@@ -292,3 +292,18 @@ def test_flags_per_task_and_an_unregistered_grid(monkeypatch):
     monkeypatch.setitem(lab.GRIDS, "broken", {**lab.GRIDS["credit"], "arms": {"x": {"walk": []}}})
     with pytest.raises(ValueError, match=r"arm x has no flags for task\(s\) \['sort'\]"):
         lab.grid_spec("broken", quick=False)
+
+
+def test_fisher_exact_collapse_step_and_survival_by_hand():
+    # [[8, 2], [1, 9]]: p = 0.005477 (R: fisher.test(matrix(c(8, 1, 2, 9), 2)))
+    assert lab.fisher_exact(8, 2, 1, 9) == pytest.approx(0.005477, abs=1e-6)
+    assert lab.fisher_exact(5, 5, 5, 5) == pytest.approx(1.0) and lab.fisher_exact(10, 0, 0, 10) == pytest.approx(2 / 184756)
+    assert lab.fisher_exact(0, 10, 0, 10) == 1.0  # nothing collapsed anywhere
+    rows = [{"step": 0, "acc": 0.40}, {"step": 10, "acc": 0.35}, {"step": 20, "acc": 0.29}, {"step": 30, "acc": 0.45}, {"step": 5, "x": 1}]
+    assert lab.collapse_step(rows, "acc", 0.10) == 20 and lab.collapse_step(rows, "acc", 0.2) is None
+    assert lab.collapse_step(rows, "acc", 0.2, nonfinite_step=17) == 17 and lab.collapse_step(rows, "acc", 0.10, nonfinite_step=27) == 20
+    with pytest.raises(ValueError, match="at step 0"):
+        lab.collapse_step(rows[1:], "acc", 0.1)
+    assert lab.survival([None, 20, 10, None], [0, 10, 20, 30]) == [1.0, 0.75, 0.5, 0.5]
+    ess = [{"step": s, "e": v} for s, v in ((1, 0.9), (2, 0.6), (3, 0.4), (4, 0.8))]
+    assert lab.first_crossing(ess, "e", 0.5) == 3 and lab.first_crossing(ess, "e", 0.85, below=False) == 1 and lab.first_crossing(ess, "e", 0.1) is None
