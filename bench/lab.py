@@ -315,8 +315,14 @@ def curve(rows):
     return sorted({r["step"]: r for r in rows if "pretrain/step" not in r}.values(), key=lambda r: r["step"])
 
 
+NONFINITE = "nonfinite.json"  # a run the trainer stopped on non-finite updates (forward.check_finite): an outcome, not a failure
+NONFINITE_LOG = re.compile(r"(?:step|critic pretraining step) (\d+): (?:the \w+ update made its weights non-finite|\d+ consecutive \w+ "
+                           r"updates had a non-finite loss)")
+
+
 def finished(run_dir, steps):
-    return any(r["step"] == steps and "eval/greedy_acc" in r for r in curve(read_rows(run_dir)))
+    """A run that evaluated its last step, or that stopped on non-finite updates in a grid that counts that (NONFINITE)."""
+    return os.path.isfile(os.path.join(run_dir, NONFINITE)) or any(r["step"] == steps and "eval/greedy_acc" in r for r in curve(read_rows(run_dir)))
 
 
 def clear_unsaved(run_dir):
@@ -401,7 +407,12 @@ def run_all(g, root, todo, jobs, stored=()):
             for p in [p for p in running if p.poll() is not None]:
                 (task, arm, seed), d, t0 = running.pop(p)
                 key, done = f"{task}/{arm}/seed{seed}", done + 1
-                if p.returncode == 0 and finished(d, steps_of(g, task)):
+                stop = g.get("nonfinite_is_outcome") and p.returncode and NONFINITE_LOG.findall(log_tail(os.path.join(d, "log.txt"), 40))
+                if stop:  # collapse grids: the trainer's non-finite stop is the run's outcome, at that step
+                    with open(os.path.join(d, NONFINITE), "w") as f:
+                        json.dump({"step": int(stop[-1])}, f)
+                    print(f"[{done}/{total}] done {key}: stopped on non-finite updates at step {stop[-1]}", flush=True)
+                elif p.returncode == 0 and finished(d, steps_of(g, task)):
                     acc = [r for r in curve(read_rows(d)) if "eval/greedy_acc" in r][-1]["eval/greedy_acc"]
                     print(f"[{done}/{total}] done {key}: final greedy acc {acc:.1%}, {time.time() - t0:.0f} s", flush=True)
                 else:
@@ -430,7 +441,9 @@ def collect(g, root):
                 rows = read_rows(d)
                 keep = [{k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in r.items()  # per-position EV: last 20% only
                          if k == "step" or k in KEEP or k.startswith("critic/ev_pos_") and r["step"] > 0.8 * S} for r in curve(rows)]
-                runs.append({"task": task, "arm": arm, "seed": seed, "steps": S, "rollout_batch": cfg["rollout_batch"],
+                marker = os.path.join(d, NONFINITE)
+                nonfinite = json.load(open(marker))["step"] if os.path.isfile(marker) else None
+                runs.append({"task": task, "arm": arm, "seed": seed, "steps": S, "rollout_batch": cfg["rollout_batch"], "nonfinite_step": nonfinite,
                              "eval_n": int(n_eval[-1]) if n_eval else None, "pretrain_steps": sum("pretrain/step" in r for r in rows),
                              "start_model": start_model(cfg.get("model_path")), "rows": keep})
     return runs
@@ -449,31 +462,38 @@ def load_compact(path):
     return lines[0]["meta"], lines[1:]
 
 
-def run_stats(run):
+def run_stats(run, spec=None):
     """The table's per-run numbers: accuracies in points; AUC: the mean held-out success over training (lab_stats.auc);
     k3 over the first / last 20% of steps; masked fractions over all steps; EV over steps 51-80 and, for the credit
-    grid, the critic's or vine's over the last 20%; identical-reward groups and vine's extra tokens over all steps."""
+    grid, the critic's or vine's over the last 20%; identical-reward groups and vine's extra tokens over all steps. A run
+    stopped on non-finite updates has its last evaluation's figures and no AUC. spec: a collapse grid's "collapse"
+    dict (key, margin, ess, logk): adds the step of collapse (lab_stats.collapse_step, None if none) and the first
+    steps the sequence ESS fell below spec["ess"] and max |log k| rose above spec["logk"]."""
     rows, S = run["rows"], run["steps"]
+    whole = run.get("nonfinite_step") is None
     ev, w = [r for r in rows if "eval/greedy_acc" in r], max(1, round(0.2 * S))
 
     def mean(key, lo, hi):
         v = [r[key] for r in rows if lo <= r["step"] <= hi and finite(r.get(key))]
         return sum(v) / len(v) if v else NAN
     return {"final_greedy": 100 * ev[-1]["eval/greedy_acc"], "gain_greedy": 100 * (ev[-1]["eval/greedy_acc"] - ev[0]["eval/greedy_acc"]),
-            "gain_sampled": 100 * (ev[-1]["eval/sampled_acc"] - ev[0]["eval/sampled_acc"]), "best_greedy": 100 * max(r["eval/greedy_acc"] for r in ev if r["step"] >= 1),
+            "gain_sampled": 100 * (ev[-1]["eval/sampled_acc"] - ev[0]["eval/sampled_acc"]), "best_greedy": 100 * max([r["eval/greedy_acc"] for r in ev if r["step"] >= 1], default=NAN),
             "final_sampled": 100 * ev[-1]["eval/sampled_acc"], "k3_first": mean("mismatch/k3", 1, w), "k3_last": mean("mismatch/k3", S - w + 1, S),
             "masked_low": mean("mismatch/masked_frac_low", 1, S), "masked_high": mean("mismatch/masked_frac_high", 1, S),
             "ev_51_80": mean("critic/explained_variance", 51, 80), "pretrain": run.get("pretrain_steps", 0),
             "flips": mean("moe/flip_frac", 1, S), "flips_any": mean("moe/flip_any_layer_frac", 1, S), "ratio_p999": mean("mismatch/ratio_p999", 1, S),
             "ratio_max": max([r["mismatch/ratio_max"] for r in rows if finite(r.get("mismatch/ratio_max"))], default=NAN),
-            "grad_norm": mean("ppo/grad_norm", 1, S), "auc_sampled": auc(ev, "eval/sampled_acc", S), "auc_greedy": auc(ev, "eval/greedy_acc", S),
+            "grad_norm": mean("ppo/grad_norm", 1, S), "auc_sampled": auc(ev, "eval/sampled_acc", S) if whole else NAN, "auc_greedy": auc(ev, "eval/greedy_acc", S) if whole else NAN,
             "critic_ev_last": mean("critic/explained_variance", S - w + 1, S), "vine_ev_last": mean("vine/explained_variance", S - w + 1, S),
-            "identical": mean("grpo/identical_reward_frac", 1, S), "vine_extra": mean("vine/extra_token_ratio", 1, S)}
+            "identical": mean("grpo/identical_reward_frac", 1, S), "vine_extra": mean("vine/extra_token_ratio", 1, S),
+            **({"collapse": collapse_step(rows, spec["key"], spec["margin"], run.get("nonfinite_step")),
+                "ess_warn": first_crossing(rows, "mismatch/seq_ess", spec["ess"]), "logk_warn": first_crossing(rows, "mismatch/abs_diff_max", spec["logk"], below=False)}
+               if spec else {})}
 
 
-def arm_stats(runs):
-    """One arm's runs on one task: {run_stats key: ci95 triple over its seeds, "seeds": {seed: run_stats(run)}}."""
-    per = {r["seed"]: run_stats(r) for r in runs}
+def arm_stats(runs, spec=None):
+    """One arm's runs on one task: {run_stats key: ci95 triple over its seeds, "seeds": {seed: run_stats(run, spec)}}."""
+    per = {r["seed"]: run_stats(r, spec) for r in runs}
     return {**{k: ci95([p[k] for p in per.values()]) for k in next(iter(per.values()), {})}, "seeds": per}
 
 
@@ -552,6 +572,44 @@ def verdict_moe(stats):
     return verdict_mismatch(stats, MOE_ARMS, pairs, (("kvfp8-icepop", "kvfp8-none"), ("kvfp8-replay", "kvfp8-none")))
 
 
+def verdict_collapse(stats, spec):
+    """Issue 23's collapse rule on stats[task][arm] (arm_stats with the grid's collapse spec): per task, each arm's
+    collapsed seeds; (1) the positive control: spec["control"] collapses in at least spec["control_share"] of its seeds;
+    (2) each (arm, reference) of spec["pairs"]: PREVENTS if the arm collapses less often with Fisher's exact p <
+    spec["alpha"], CAUSES if more often with p < alpha, else NULL (fewer than spec["need"] seeds in either: NOT JUDGED);
+    the pairs are uninformative where the control fails. Beside them, the early warnings of each collapse: did the
+    sequence ESS fall below spec["ess"], or max |log k| rise above spec["logk"], before (or at) the collapse step?"""
+    lines, decided = [], []
+    for task, arms in stats.items():
+        steps = lambda a: [p["collapse"] for p in arms.get(a, {}).get("seeds", {}).values()]  # noqa: E731
+        lines += [f"### {task}", "", "| arm | seeds | collapsed | steps of collapse | ESS fell first | max log k rose first |", "|---|---|---|---|---|---|"]
+        for a, c in arms.items():
+            per = c["seeds"].values()
+            hit = [p for p in per if p["collapse"] is not None]
+            first = lambda k: sum(p[k] is not None and p[k] <= p["collapse"] for p in hit)  # noqa: E731
+            lines.append(f"| {a} | {len(per)} | {len(hit)} | {', '.join(str(p['collapse']) for p in hit) or '-'} | {first('ess_warn')} of {len(hit)} "
+                         f"| {first('logk_warn')} of {len(hit)} |")
+        ctrl = steps(spec["control"])
+        ok = len(ctrl) >= spec["need"] and sum(s is not None for s in ctrl) >= spec["control_share"] * len(ctrl)
+        lines += ["", f"- positive control ({spec['control']} collapses in >= {spec['control_share']:.0%} of its seeds): "
+                  + ("**HOLDS**" if ok else "NOT JUDGED (too few seeds)" if len(ctrl) < spec["need"] else "**FAILS**: the grid cannot show a correction preventing collapse")]
+        for a, ref in spec["pairs"]:
+            x, y = steps(a), steps(ref)
+            if min(len(x), len(y)) < spec["need"]:
+                lines.append(f"- {a} vs {ref}: NOT JUDGED ({len(x)} and {len(y)} seeds; {spec['need']} needed)")
+                continue
+            cx, cy = sum(s is not None for s in x), sum(s is not None for s in y)
+            pval = fisher_exact(cx, len(x) - cx, cy, len(y) - cy)
+            v = "NULL" if pval >= spec["alpha"] else "PREVENTS" if cx < cy else "CAUSES"
+            informative = ok or ref != spec["control"]
+            if v != "NULL" and informative:
+                decided.append(f"{task}: {a} {v} collapse against {ref}")
+            lines.append(f"- {a} vs {ref}: **{v}** (collapsed {cx} of {len(x)} against {cy} of {len(y)}; Fisher's exact p = {pval:.3g})"
+                         + ("" if informative else ", uninformative: the positive control fails"))
+        lines.append("")
+    return lines + ([f"Decisive comparisons: {'; '.join(decided)}."] if decided else ["**Null result**: no comparison passes the decision rule."])
+
+
 VERDICTS = {"mismatch": verdict_mismatch, "moe": verdict_moe, "horizon": verdict_horizon, "multi-turn": verdict_multi_turn, "guess-learns": verdict_guess_learns,
             "guess-learns-rep": verdict_guess_learns, "guess-learns-300": lambda stats: verdict_guess_learns(stats, need=5),
             "credit": lambda stats: verdict_credit(stats, GRIDS["credit"]["points"], GRIDS["credit"]["need"], GRIDS["credit"]["ceilings"], REPO)}
@@ -612,6 +670,19 @@ def plots(g, runs, task, out_dir):
     files += figure("entropy", ["ppo/entropy"]) + figure("collapse", ["mismatch/ess", "mismatch/seq_ess", "mismatch/abs_diff_max", "mismatch/k3_slope"]) + figure("ev", ["critic/explained_variance", "vine/explained_variance"])
     files += figure("identical_reward_groups", ["grpo/identical_reward_frac"])
     files += figure("routing", ["moe/flip_frac", "moe/flip_any_layer_frac"]) + figure("ratio_tail", ["mismatch/ratio_p999", "mismatch/ratio_max"])
+    if spec := g.get("collapse"):  # the time-to-collapse curves: the share of each arm's seeds not collapsed by each step
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        grid = list(range(0, max(r["steps"] for r in runs) + 1))
+        for a, rs in by_arm.items():
+            ax.step(grid, survival([collapse_step(r["rows"], spec["key"], spec["margin"], r.get("nonfinite_step")) for r in rs], grid),
+                    where="post", color=color[a], label=f"{a} (n={len(rs)})")
+        ax.set(title=f"{task}: seeds not collapsed", xlabel="step", ylabel="share of seeds", ylim=(-0.05, 1.05))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"{task}_survival.png"), dpi=80)
+        plt.close(fig)
+        files.append(f"{task}_survival.png")
     labels = sorted({k for rs in by_arm.values() for r in rs for row in r["rows"] for k in row if k.startswith("critic/ev_pos_")},
                     key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
     if labels:  # per-position EV at the end: mean over the last 20% of steps per run, then over seeds
@@ -661,7 +732,7 @@ def report(name, g, runs, meta, md_path, asset_dir, quick, n_aside=0):
         out += ["", f"## {task}", "", "| arm | seeds | final greedy | best greedy | final sampled | k3 first 20% | k3 last 20% | masked low "
                 "| masked high | EV 51-80 | pretrain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for a in g["arms"]:
-            c = arm_stats([r for r in runs if r["task"] == task and r["arm"] == a])
+            c = arm_stats([r for r in runs if r["task"] == task and r["arm"] == a], g.get("collapse"))
             if not c["seeds"]:
                 out.append(f"| {a} | 0 |" + " - |" * 9)
                 continue

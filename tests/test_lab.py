@@ -307,3 +307,28 @@ def test_fisher_exact_collapse_step_and_survival_by_hand():
     assert lab.survival([None, 20, 10, None], [0, 10, 20, 30]) == [1.0, 0.75, 0.5, 0.5]
     ess = [{"step": s, "e": v} for s, v in ((1, 0.9), (2, 0.6), (3, 0.4), (4, 0.8))]
     assert lab.first_crossing(ess, "e", 0.5) == 3 and lab.first_crossing(ess, "e", 0.85, below=False) == 1 and lab.first_crossing(ess, "e", 0.1) is None
+
+
+def test_verdict_collapse_on_hand_made_runs():
+    """none collapses in 8 of 10 seeds (after its ESS fell), icepop in 1, tis in 6: control HOLDS, icepop PREVENTS
+    (p = 0.0055), tis NULL; a stopped run counts at its non-finite step."""
+    spec = {"key": "eval/greedy_acc", "margin": 0.10, "ess": 0.5, "logk": 2.0, "control": "none", "control_share": 0.6, "pairs": [("icepop", "none"), ("tis", "none")],
+            "alpha": 0.05, "need": 5}
+
+    def run(seed, collapse_at=None, nonfinite=None):
+        rows = [{"step": 0, "eval/greedy_acc": 0.4, "eval/sampled_acc": 0.3}] + [{"step": s, "mismatch/seq_ess": 0.3 if collapse_at and s >= collapse_at - 5 else 0.9,
+                                                          "mismatch/abs_diff_max": 1.0} for s in range(1, 41)]
+        rows += [{"step": s, "eval/greedy_acc": 0.1 if collapse_at and s >= collapse_at else 0.45, "eval/sampled_acc": 0.3} for s in (10, 20, 30, 40)]
+        return {"seed": seed, "steps": 40, "rows": sorted(rows, key=lambda r: r["step"]), "nonfinite_step": nonfinite}
+    arms = {"none": [run(s, 20 if s < 7 else None) for s in range(10)], "icepop": [run(s, 30 if s == 0 else None) for s in range(10)],
+            "tis": [run(s, 10 if s < 6 else None) for s in range(10)]}
+    arms["none"][9] = run(9, None, nonfinite=17)
+    arms["none"][9]["rows"] = [r for r in arms["none"][9]["rows"] if r["step"] <= 17]
+    stats = {"addition": {a: lab.arm_stats(rs, spec) for a, rs in arms.items()}}
+    text = "\n".join(lab.verdict_collapse(stats, spec))
+    assert "| none | 10 | 8 | 20, 20, 20, 20, 20, 20, 20, 17 | 7 of 8 | 0 of 8 |" in text
+    assert "positive control (none collapses in >= 60% of its seeds): **HOLDS**" in text
+    assert "- icepop vs none: **PREVENTS** (collapsed 1 of 10 against 8 of 10; Fisher's exact p = 0.00548)" in text
+    assert "- tis vs none: **NULL**" in text and text.endswith("Decisive comparisons: addition: icepop PREVENTS collapse against none.")
+    few = "\n".join(lab.verdict_collapse({"addition": {a: lab.arm_stats(rs[:3], spec) for a, rs in arms.items()}}, spec))
+    assert "NOT JUDGED (too few seeds)" in few and "icepop vs none: NOT JUDGED (3 and 3 seeds; 5 needed)" in few
