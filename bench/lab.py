@@ -665,9 +665,18 @@ def plots(g, runs, task, out_dir):
         plt.close(fig)
         return [f"{task}_{name}.png"]
 
+    def single(fig, ax, name):  # a one-axis figure: grid, legend, saved as <task>_<name>.png
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"{task}_{name}.png"), dpi=80)
+        plt.close(fig)
+        return f"{task}_{name}.png"
+
     files = figure("accuracy", ["eval/greedy_acc", "eval/sampled_acc"], 1, samples=True) + figure("k3", ["mismatch/k3"], logy=True)
     files += figure("masked", ["mismatch/masked_frac_low", "mismatch/masked_frac_high"]) + figure("grad_norm", ["ppo/grad_norm"])
-    files += figure("entropy", ["ppo/entropy"]) + figure("collapse", ["mismatch/ess", "mismatch/seq_ess", "mismatch/abs_diff_max", "mismatch/k3_slope"]) + figure("ev", ["critic/explained_variance", "vine/explained_variance"])
+    files += figure("entropy", ["ppo/entropy"]) + figure("ev", ["critic/explained_variance", "vine/explained_variance"])
+    files += figure("collapse", ["mismatch/ess", "mismatch/seq_ess", "mismatch/abs_diff_max", "mismatch/k3_slope"])
     files += figure("identical_reward_groups", ["grpo/identical_reward_frac"])
     files += figure("routing", ["moe/flip_frac", "moe/flip_any_layer_frac"]) + figure("ratio_tail", ["mismatch/ratio_p999", "mismatch/ratio_max"])
     if spec := g.get("collapse"):  # the time-to-collapse curves: the share of each arm's seeds not collapsed by each step
@@ -677,12 +686,7 @@ def plots(g, runs, task, out_dir):
             ax.step(grid, survival([collapse_step(r["rows"], spec["key"], spec["margin"], r.get("nonfinite_step")) for r in rs], grid),
                     where="post", color=color[a], label=f"{a} (n={len(rs)})")
         ax.set(title=f"{task}: seeds not collapsed", xlabel="step", ylabel="share of seeds", ylim=(-0.05, 1.05))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"{task}_survival.png"), dpi=80)
-        plt.close(fig)
-        files.append(f"{task}_survival.png")
+        files.append(single(fig, ax, "survival"))
     labels = sorted({k for rs in by_arm.values() for r in rs for row in r["rows"] for k in row if k.startswith("critic/ev_pos_")},
                     key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
     if labels:  # per-position EV at the end: mean over the last 20% of steps per run, then over seeds
@@ -693,12 +697,7 @@ def plots(g, runs, task, out_dir):
                 ax.plot(range(len(labels)), [np.mean(v) if v else np.nan for v in end], marker="o", color=color[a], label=a)
         ax.set_xticks(range(len(labels)), [k.removeprefix("critic/ev_pos_") for k in labels], fontsize=7)
         ax.set(title=f"{task}: explained variance per response position (last 20% of steps)", xlabel="response position", ylabel="EV")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"{task}_ev_per_position.png"), dpi=80)
-        plt.close(fig)
-        files.append(f"{task}_ev_per_position.png")
+        files.append(single(fig, ax, "ev_per_position"))
     return files
 
 
