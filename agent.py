@@ -90,30 +90,56 @@ def load_env(spec: str):
 # ----------------------------------------------------------------------------- chat-template deltas
 
 
-def _render(tok, messages, generation_prompt: bool) -> str:
-    return tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+def _render(tok, messages, generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)
 
 
-def observation_ids(tok, message: str) -> list[int]:
+def observation_ids(tok, message: str | list[dict], stop: str | None = None, tools: list[dict] | None = None) -> list[int]:
     """Token ids that follow a model turn's stop token: the end of the assistant turn (what the template writes after
-    the stop token, e.g. ChatML's newline), the user message, and the next assistant header. Taken from the chat
-    template as a delta, with a placeholder for the model's turn, so no model text is encoded."""
+    the stop token, e.g. ChatML's newline), the next message(s), and the next assistant header. Taken from the chat
+    template as a delta, with a placeholder for the model's turn, so no model text is encoded. message: a user
+    message, or a list of messages (a tool turn's {"role": "tool", "content": ...} results). stop: the text of the
+    stop token the turn ended with (default EOS); where the template opens the next message with it (GLM's
+    <|observation|>, which ends a turn that calls tools), that sampled token is the delta's start and is not repeated.
+    tools: the schemas the first prompt was rendered with (a template may print them)."""
+    stop = tok.eos_token if stop is None else stop
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SLOT}]
-    before = _render(tok, base, False)
-    after = _render(tok, base + [{"role": "user", "content": message}], True)
+    before = _render(tok, base, False, tools)
+    after = _render(tok, base + ([{"role": "user", "content": message}] if isinstance(message, str) else list(message)), True, tools)
     cut = before.index(_SLOT) + len(_SLOT)
     if not after.startswith(before[:cut]):
         raise ValueError("observation_ids: the chat template renders earlier turns differently once a message follows "
                          "them, so observation tokens cannot be taken as a delta")
     rest = after[cut:]
-    if not rest.startswith(tok.eos_token):
-        raise ValueError(f"observation_ids: the chat template does not end an assistant turn with the EOS token "
-                         f"{tok.eos_token!r} (it writes {rest[:20]!r}), which the model's turns stop at")
-    return tok(rest[len(tok.eos_token):], add_special_tokens=False).input_ids
+    if not rest.startswith(stop):
+        raise ValueError(f"observation_ids: the chat template does not end an assistant turn with its stop token "
+                         f"{stop!r} (it writes {rest[:20]!r}), which the model's turns stop at")
+    return tok(rest[len(stop):], add_special_tokens=False).input_ids
 
 
-def first_prompt_ids(tok, message: str) -> list[int]:
-    return tok(_render(tok, [{"role": "user", "content": message}], True), add_special_tokens=False).input_ids
+THINK_PROBE = "<think>\nprobe\n</think>\n\nanswer"  # an assistant turn as reasoning models write it
+
+
+def check_chat_template(tok, tools: list[dict] | None = None) -> None:
+    """Refuse a chat template that rewrites earlier assistant turns once a message follows them (Qwen3's drops their
+    <think> blocks): a multi-turn row would then not be the conversation the template renders. Called once per
+    run_episodes; a ValueError says what the template dropped."""
+    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": THINK_PROBE}]
+    for later in ([{"role": "user", "content": "y"}], [{"role": "tool", "content": "y"}]):
+        try:
+            text = _render(tok, base + later, True, tools)
+        except Exception:  # a template without a tool role: a tool episode would fail at its first tool turn, named there
+            continue
+        if THINK_PROBE not in text:
+            raise ValueError(f"the chat template rewrites an earlier assistant turn once a {later[0]['role']} message follows it "
+                             f"(an assistant turn {THINK_PROBE!r} does not survive): multi-turn rows could not be the rendered "
+                             "conversation. Use a template that keeps earlier turns verbatim")
+
+
+def first_prompt_ids(tok, message: str, tools: list[dict] | None = None) -> list[int]:
+    """The first prompt's ids: the user message (after the tools' schemas, where the template prints them) and the
+    assistant header."""
+    return tok(_render(tok, [{"role": "user", "content": message}], True, tools), add_special_tokens=False).input_ids
 
 
 def summary_prompt(tok, first: str, summary_ids: list[int]) -> list[int]:
@@ -264,6 +290,7 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
 
     if (snapshots or starts is not None) and compact_at:
         raise ValueError("run_episodes: snapshots and starts are not implemented with compaction (compact_at)")
+    check_chat_template(tok)
     eps = []
     for i, st in enumerate(starts or ()):
         where = f"a continuation (number {i}) of {st.where}"
