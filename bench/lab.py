@@ -250,6 +250,71 @@ GRIDS["credit"] = {
     "ceilings": {t: f"docs/lab/credit/ceiling_{t}.json" for t in ("walk", "sort")},  # the start models' perfect-critic EV
     "quick": {**QUICK, "tasks": ["sort"], "arms": ["reinforce", "ppo-priv"], "base": QUICK["base"] + ["--engine-dtype", "fp32", "--correction", "none"]},
 }
+# Issue 23's positive control, registered 2026-12-04 before any of its runs, after a calibration on seed 900 (in no
+# table): PPO on addition, 60 steps of 64, fp32 engine; held-out greedy accuracy at steps 0 / 20 / 40 / 60:
+#   --lr 1e-3 on-policy collapsed by itself (34.2 / 4.2 / 2.2 / 3.0): too high to blame any mismatch, so not used;
+#   --lr 4e-4 on-policy (--sync-every 1) learned: 34.2 / 46.6 / 55.6 / 60.0;
+#   --lr 4e-4 --sync-every 4 (rollouts up to 3 updates stale), no correction: 34.2 / 11.4 / 9.0 / 9.6 (sequence ESS
+#     0.22-0.38 and k3 0.1-0.3 on the stale steps); IcePop: 34.2 / 44.6 / 39.8 / 53.0; TIS: 34.2 / 36.8 / 48.6 / 62.0;
+#   --lr 2e-4 --sync-every 10, no correction: 34.2 / 16.2 / 7.6 / 15.0;
+#   the tiny MoE with --moe-flip 0.5 (51% of router choices flipped), lr 4e-4, no correction, did not collapse: 47.2 /
+#     57.4 / 62.8 / 63.4 (evaluated by the flipped engine; the grids below evaluate an fp32 copy).
+COLLAPSE = {"key": "eval/greedy_acc", "margin": 0.10, "ess": 0.5, "logk": 2.0, "control": "stale-none", "control_share": 0.6,
+            "alpha": 0.05, "need": 5}
+COLLAPSE_RULE = ("Outcome per seed: COLLAPSED if the held-out greedy accuracy (500 test problems, sampled by an fp32 copy of the policy, "
+                 "--eval-dtype fp32) at any evaluation after step 0 (every 10 steps, to step 60) is at least 10 points below its step-0 "
+                 "value, or if the trainer stops on non-finite updates; the step of collapse is the first such evaluation (or the stop). "
+                 "(1) The positive control HOLDS if {control} collapses in at least 60% of its seeds; otherwise the grid cannot show a "
+                 "correction preventing collapse and the comparisons against it are reported as uninformative. (2) For each pair (a, b): "
+                 "a PREVENTS collapse if it collapses in fewer seeds than b and the two-sided Fisher's exact p < 0.05 on the 2x2 table "
+                 "(collapsed or not, by arm); a CAUSES collapse if more often with p < 0.05; otherwise NULL; fewer than 5 finished seeds "
+                 "in either arm: NOT JUDGED. Reported beside them, not decisive: the time-to-collapse curves, and for each collapse "
+                 "whether the sequence ESS of the importance weights fell below 0.5, or max |log k| rose above 2, at or before its step.")
+GRIDS["collapse"] = {
+    "hypothesis": "Rollouts from weights up to 3 updates stale (--sync-every 4) at lr 4e-4 make uncorrected PPO collapse on addition "
+    "within 60 steps of 64, while the same lr on-policy does not (calibration on seed 900, in the comments above the spec). "
+    "Predictions: (1) stale-none collapses in at least 60% of the seeds; (2) IcePop, TIS and DIS (token-level corrections of "
+    "pi_old / pi_infer) each PREVENT it; (3) staleness CAUSES it: stale-none collapses more often than fresh-none; (4) the int4 "
+    "engine, a dense and mild mismatch (k3 about 4e-3, 0.8 per mille of tokens outside [0.5, 2]), does not: int4-none against "
+    "fresh-none is NULL (the negative control); (5) in most collapses the sequence ESS falls below 0.5 at or before the collapse "
+    "step. PPO only: the budget does not allow GRPO arms here.",
+    "decision_rule": COLLAPSE_RULE.format(control="stale-none") + " Pairs: (stale-icepop, stale-none), (stale-tis, stale-none), "
+    "(stale-dis, stale-none), (stale-none, fresh-none), (int4-none, fresh-none).",
+    "tasks": ["addition"],
+    "seeds": list(range(10)),
+    "steps": {"addition": 60},  # set before running, never after seeing results
+    "base": ["--algo", "ppo", "--rollout-batch", "64", "--lr", "4e-4", "--critic-pretrain", "10", "--eval-every", "10", "--eval-size", "500",
+             "--eval-dtype", "fp32", "--save-every", "20", "--keep-checkpoints", "1"],
+    "arms": {"fresh-none": ["--engine-dtype", "fp32", "--sync-every", "1", "--correction", "none"],
+             **{f"stale-{c}": ["--engine-dtype", "fp32", "--sync-every", "4", "--correction", c] for c in ("none", "icepop", "tis", "dis")},
+             "int4-none": ["--engine-dtype", "int4", "--sync-every", "1", "--correction", "none"]},
+    "core": ["stale-none", "stale-icepop", "fresh-none"],
+    "collapse": {**COLLAPSE, "pairs": [("stale-icepop", "stale-none"), ("stale-tis", "stale-none"), ("stale-dis", "stale-none"),
+                                       ("stale-none", "fresh-none"), ("int4-none", "fresh-none")]},
+    "nonfinite_is_outcome": True,
+    "quick": {**QUICK, "arms": ["stale-none", "stale-icepop"], "base": ["4" if x == "25" else x for x in QUICK["base"]]  # --save-every 4: a multiple of --sync-every
+              + ["--lr", "4e-4", "--eval-dtype", "fp32"]},
+}
+GRIDS["collapse-flip"] = {
+    "hypothesis": "The heavy-tailed discrete knob: on the tiny MoE with --moe-flip 0.5 (the engine swaps a token's second expert for "
+    "the third with probability 0.5 per token and layer: 51% of router choices and 94% of tokens flipped, k3 5.0e-2, 4.6% of "
+    "tokens outside [0.5, 2]), lr 4e-4, on-policy, uncorrected PPO collapses in at least 60% of the seeds within 60 steps, and "
+    "IcePop or routing replay PREVENT it. Calibration (seed 900) did not collapse, so the expected result is a failed positive "
+    "control: at this scale the flips alone are not enough.",
+    "decision_rule": COLLAPSE_RULE.format(control="flip-none") + " Pairs: (flip-icepop, flip-none), (flip-replay, flip-none).",
+    "tasks": ["addition"],
+    "seeds": list(range(10)),
+    "steps": {"addition": 60},  # set before running, never after seeing results
+    "base": ["--tiny", "moe", "--algo", "ppo", "--rollout-batch", "64", "--lr", "4e-4", "--critic-pretrain", "10", "--eval-every", "10",
+             "--eval-size", "500", "--eval-dtype", "fp32", "--save-every", "20", "--keep-checkpoints", "1", "--engine-dtype", "fp32", "--moe-flip", "0.5"],
+    "arms": {"flip-none": ["--correction", "none"], "flip-icepop": ["--correction", "icepop"], "flip-replay": ["--correction", "none", "--routing-replay"]},
+    "core": ["flip-none", "flip-replay"],
+    "collapse": {**COLLAPSE, "control": "flip-none", "pairs": [("flip-icepop", "flip-none"), ("flip-replay", "flip-none")]},
+    "nonfinite_is_outcome": True,
+    "moe": True,
+    "quick": {**QUICK, "arms": ["flip-none", "flip-replay"], "base": QUICK["base"] + ["--tiny", "moe", "--moe-flip", "0.5", "--eval-dtype", "fp32",
+                                                                                    "--engine-dtype", "fp32"]},
+}
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train_ppo.py")
@@ -579,7 +644,7 @@ def verdict_collapse(stats, spec):
     spec["alpha"], CAUSES if more often with p < alpha, else NULL (fewer than spec["need"] seeds in either: NOT JUDGED);
     the pairs are uninformative where the control fails. Beside them, the early warnings of each collapse: did the
     sequence ESS fall below spec["ess"], or max |log k| rise above spec["logk"], before (or at) the collapse step?"""
-    lines, decided = [], []
+    lines, decided, judged = [], [], False
     for task, arms in stats.items():
         steps = lambda a: [p["collapse"] for p in arms.get(a, {}).get("seeds", {}).values()]  # noqa: E731
         lines += [f"### {task}", "", "| arm | seeds | collapsed | steps of collapse | ESS fell first | max log k rose first |", "|---|---|---|---|---|---|"]
@@ -598,7 +663,7 @@ def verdict_collapse(stats, spec):
             if min(len(x), len(y)) < spec["need"]:
                 lines.append(f"- {a} vs {ref}: NOT JUDGED ({len(x)} and {len(y)} seeds; {spec['need']} needed)")
                 continue
-            cx, cy = sum(s is not None for s in x), sum(s is not None for s in y)
+            cx, cy, judged = sum(s is not None for s in x), sum(s is not None for s in y), True
             pval = fisher_exact(cx, len(x) - cx, cy, len(y) - cy)
             v = "NULL" if pval >= spec["alpha"] else "PREVENTS" if cx < cy else "CAUSES"
             informative = ok or ref != spec["control"]
@@ -607,12 +672,16 @@ def verdict_collapse(stats, spec):
             lines.append(f"- {a} vs {ref}: **{v}** (collapsed {cx} of {len(x)} against {cy} of {len(y)}; Fisher's exact p = {pval:.3g})"
                          + ("" if informative else ", uninformative: the positive control fails"))
         lines.append("")
-    return lines + ([f"Decisive comparisons: {'; '.join(decided)}."] if decided else ["**Null result**: no comparison passes the decision rule."])
+    if decided:
+        return lines + [f"Decisive comparisons: {'; '.join(decided)}."]
+    return lines + (["**Null result**: no comparison passes the decision rule."] if judged else ["**Not judged**: no comparison has enough seeds yet."])
 
 
 VERDICTS = {"mismatch": verdict_mismatch, "moe": verdict_moe, "horizon": verdict_horizon, "multi-turn": verdict_multi_turn, "guess-learns": verdict_guess_learns,
             "guess-learns-rep": verdict_guess_learns, "guess-learns-300": lambda stats: verdict_guess_learns(stats, need=5),
-            "credit": lambda stats: verdict_credit(stats, GRIDS["credit"]["points"], GRIDS["credit"]["need"], GRIDS["credit"]["ceilings"], REPO)}
+            "credit": lambda stats: verdict_credit(stats, GRIDS["credit"]["points"], GRIDS["credit"]["need"], GRIDS["credit"]["ceilings"], REPO),
+            "collapse": lambda stats: verdict_collapse(stats, GRIDS["collapse"]["collapse"]),
+            "collapse-flip": lambda stats: verdict_collapse(stats, GRIDS["collapse-flip"]["collapse"])}
 
 
 def plots(g, runs, task, out_dir):

@@ -332,3 +332,4 @@ def test_verdict_collapse_on_hand_made_runs():
     assert "- tis vs none: **NULL**" in text and text.endswith("Decisive comparisons: addition: icepop PREVENTS collapse against none.")
     few = "\n".join(lab.verdict_collapse({"addition": {a: lab.arm_stats(rs[:3], spec) for a, rs in arms.items()}}, spec))
     assert "NOT JUDGED (too few seeds)" in few and "icepop vs none: NOT JUDGED (3 and 3 seeds; 5 needed)" in few
+    assert few.endswith("**Not judged**: no comparison has enough seeds yet.")
