@@ -158,7 +158,7 @@ class RunLog:
             return
         if "mismatch/k3" in row and "pretrain/step" not in row:  # k3's trend over the last K3_SLOPE_WINDOW steps (issue: collapse)
             ks = [r["mismatch/k3"] for r in self.history if "mismatch/k3" in r and "pretrain/step" not in r][1 - K3_SLOPE_WINDOW:]
-            row["mismatch/k3_slope"] = losses.window_slope(ks + [row["mismatch/k3"]])
+            row.update({"mismatch/k3_slope": losses.window_slope(ks + [row["mismatch/k3"]])} if ks else {})  # from the 2nd step
         self.history.append(row)
         with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
