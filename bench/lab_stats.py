@@ -90,7 +90,8 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None, root=""):
             ev = fmt(ev, ".2f") + (f" / {ceiling['perfect']:.2f}" if ceiling and finite(ev) else "")  # against the ceiling
             lines.append(f"| {a} | {len(c['seeds'])} | {fmt(c['auc_sampled'][0], '.1f')} | {fmt(c['auc_greedy'][0], '.1f')} "
                          f"| {fmt(c['final_sampled'][0], '.1f')} | {ev} | {fmt(c['identical'][0], '.1%')} | {fmt(c['vine_extra'][0], '.2f')} |")
-        lines += ["", "Perfect-critic ceiling (Monte Carlo EV of the start policy, bench/value_ceiling.py): " + (
+        lines += ["", "Perfect-critic ceiling of the start policy (bench/value_ceiling.py's Monte Carlo estimate, or bench/walk_design.py's "
+                  "exact one for walk): " + (
             f"{ceiling['perfect']:.2f}; prompt-only {ceiling['prompt_only']:.2f} (`{ceilings[task]}`)." if ceiling else "not measured."), ""]
         oracle = None
         judged |= {judge(paired(seeds(a, "auc_sampled"), seeds(b, "auc_sampled"))[1], points, need) != "NOT JUDGED" for a, b in CREDIT}

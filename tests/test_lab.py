@@ -255,10 +255,10 @@ def test_verdict_credit_on_hand_made_runs(tmp_path):
     assert f"(4) ppo vs grpo-n8, {auc}: **BETTER** (paired difference +5.5 ± 0.5 points over 5 seeds)" in walk  # 1.5 + 4 + 125 j
     assert "cannot show" not in walk and "uninformative" not in walk
     assert "| vine | 5 | 37.0 | 37.0 | 37.0 | 0.60 / 0.55 | - | 3.00 |" in walk and "| ppo | 5 | 33.5 | 33.5 | 38.0 | 0.40 / 0.55 | - | - |" in walk
-    assert "| grpo-n8 | 5 | 28.0 | 28.0 | 28.0 | - | 25.0% | - |" in walk and "bench/value_ceiling.py): 0.55; prompt-only 0.10" in walk
+    assert "| grpo-n8 | 5 | 28.0 | 28.0 | 28.0 | - | 25.0% | - |" in walk and "exact one for walk): 0.55; prompt-only 0.10" in walk
     assert re.search(r"\(1\) vine vs reinforce, AUC [^\n]*: \*\*NULL\*\* \(paired difference [+-]0\.0 ± 2\.0 points over 5 seeds\)", sort)  # sd 1.58
     assert f"(4) ppo vs grpo-n8, {auc}: **NOT JUDGED** (no seeds finished in both arms), uninformative" in sort
-    assert "**sort cannot show a credit effect**" in sort and "bench/value_ceiling.py): not measured." in sort
+    assert "**sort cannot show a credit effect**" in sort and "exact one for walk): not measured." in sort
     assert f"(2) ppo vs reinforce, {auc}: **BETTER** (paired difference +8.0 ± 0.4 points over 5 seeds), uninformative" in sort
     assert sort.strip().endswith("Decisive comparisons (primary endpoint, informative tasks): walk: vine BETTER than reinforce; "
                                  "walk: ppo BETTER than grpo-n8.")
