@@ -107,6 +107,41 @@ def _glm(body: str, schemas: list[dict]) -> ToolCall | str:
     return ToolCall(name, args)
 
 
+# ----------------------------------------------------------------------------- tool environments
+
+RESERVED = ("reset", "get_reward", "reseed", "critic_context")  # an environment's methods that are not tools
+
+
+def tool_methods(env_cls) -> list[str]:
+    """The tools of a TRL-style environment class (environment_factory): its public methods (its own in definition order,
+    then inherited ones),
+    other than reset, get_reward and the project's optional hooks."""
+    names = [n for n in vars(env_cls) if not n.startswith("_") and n not in RESERVED and callable(getattr(env_cls, n))]
+    bases = [n for b in env_cls.__mro__[1:-1] for n in vars(b) if not n.startswith("_") and n not in RESERVED and callable(getattr(env_cls, n))]
+    return names + [n for n in dict.fromkeys(bases) if n not in names]
+
+
+def tool_schemas(env_cls, where: str = "the environment") -> list[dict]:
+    """The JSON schemas of an environment's tools (transformers.utils.get_json_schema: type hints and a Google-style
+    docstring with an Args: section, as TRL requires), in tool_methods order. A method that cannot be described is a
+    ValueError naming it and what it lacks, before any work; so is a class with no tool."""
+    from transformers.utils import get_json_schema
+
+    names = tool_methods(env_cls)
+    if not names:
+        raise ValueError(f"{where}: {env_cls.__name__} has no public method besides {', '.join(RESERVED)}, so it offers no tool")
+    out = []
+    for name in names:
+        fn = getattr(env_cls, name)
+        try:
+            schema = get_json_schema(fn)
+        except Exception as e:  # DocstringParsingException, TypeHintParsingException
+            raise ValueError(f"{where}: {env_cls.__name__}.{name} cannot be a tool: {e}. A tool needs type hints on every argument "
+                             "and a docstring with a description and an Args: section") from None
+        out.append(schema)  # get_json_schema leaves a method's self out
+    return out
+
+
 # ----------------------------------------------------------------------------- built-in tools
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tools import PythonLimits, ToolCall, calculator, parse_tool_calls, python
+from tools import PythonLimits, ToolCall, calculator, parse_tool_calls, python, tool_methods, tool_schemas
 
 SCHEMAS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}},
            {"type": "function", "function": {"name": "guess", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}]
@@ -84,3 +84,60 @@ def test_python_tool_runs_isolated_with_limits(tmp_path):
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
     assert python("while True: pass", PythonLimits(timeout=20, cpu_seconds=1)).endswith("(killed by signal SIGXCPU: a resource limit)")
+
+
+class Guess:
+    """A TRL-style tool environment (environment_factory): reset(**row), typed public methods as tools, get_reward."""
+
+    def reset(self, **row):
+        self.secret = int(row["answer"])
+
+    def guess(self, n: int) -> str:
+        """Guess the secret number.
+
+        Args:
+            n: the number guessed.
+        """
+        return "higher" if n < self.secret else "lower" if n > self.secret else "found"
+
+    def get_reward(self) -> float:
+        return 1.0
+
+    def _helper(self):
+        pass
+
+
+class MoreTools(Guess):
+    def give_up(self) -> str:
+        """Stop guessing."""
+        return "gave up"
+
+
+def test_tool_schemas_of_an_environment_class():
+    assert tool_methods(Guess) == ["guess"] and tool_methods(MoreTools) == ["give_up", "guess"]
+    (schema,) = tool_schemas(Guess)
+    assert schema["function"]["name"] == "guess" and schema["function"]["description"] == "Guess the secret number."
+    assert schema["function"]["parameters"] == {"type": "object", "properties": {"n": {"type": "integer", "description": "the number guessed."}},
+                                                "required": ["n"]}
+    assert [s["function"]["name"] for s in tool_schemas(MoreTools)] == ["give_up", "guess"]
+
+    class Untyped(Guess):
+        def look(self, where):
+            """Look.
+
+            Args:
+                where: the place.
+            """
+
+    class Undocumented(Guess):
+        def look(self, where: str) -> str:
+            return where
+
+    class NoTools:
+        def reset(self, **row):
+            pass
+
+    for cls, why in ((Untyped, "Untyped.look cannot be a tool"), (Undocumented, "Undocumented.look cannot be a tool"), (NoTools, "offers no tool")):
+        with pytest.raises(ValueError, match=why):
+            tool_schemas(cls, "--env x.py:C")
+
