@@ -113,9 +113,8 @@ RESERVED = ("reset", "get_reward", "reseed", "critic_context")  # an environment
 
 
 def tool_methods(env_cls) -> list[str]:
-    """The tools of a TRL-style environment class (environment_factory): its public methods (its own in definition order,
-    then inherited ones),
-    other than reset, get_reward and the project's optional hooks."""
+    """The tools of a TRL-style environment class (environment_factory): its public methods (its own in definition
+    order, then inherited ones) other than reset, get_reward and the project's optional hooks."""
     names = [n for n in vars(env_cls) if not n.startswith("_") and n not in RESERVED and callable(getattr(env_cls, n))]
     bases = [n for b in env_cls.__mro__[1:-1] for n in vars(b) if not n.startswith("_") and n not in RESERVED and callable(getattr(env_cls, n))]
     return names + [n for n in dict.fromkeys(bases) if n not in names]
