@@ -6,7 +6,7 @@
     calculator("2 + 3 * 4")                    # '14'
     python("print(sum(range(10)))")            # '45\\n'
 
-Parsers (`--tool-parser`), by model family:
+Parsers, by model family (which parser fits which model):
 - `hermes`: JSON {"name": ..., "arguments": {...}} inside <tool_call>...</tool_call>, one block per call: Qwen2.5,
   Qwen3 and other ChatML models whose chat template renders tools the Hermes way (NousResearch's format).
 - `glm`: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call> (GLM-4.5 and later, GLM-5): a
