@@ -15,8 +15,8 @@ Parsers, by model family (which parser fits which model):
   it parses (numbers, booleans, lists, objects) and kept as text otherwise.
 
 Model text is never evaluated: JSON goes through json.loads, arithmetic through an AST walk over numbers and
-operators (calculator). A malformed call is an error string in `errors` (the driver answers it as the tool's output
-and counts it), never an exception. A call's text outside the tool blocks is `text` (the answer when there is no call).
+operators (calculator). A malformed call is an error string in `errors` (for the caller to answer as the tool's output
+and count), never an exception. A call's text outside the tool blocks is `text` (the answer when there is no call).
 """
 
 from __future__ import annotations
