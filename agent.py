@@ -59,6 +59,7 @@ DEFAULT_MAX_TURNS = 8  # --max-turns 0 with --env
 FINISH_REASONS = ("done", "turns", "turn_length", "context")  # of an episode; a compacted row's is "compact"
 _CALLS_PER_EPISODE = 1024  # seed stride: engine calls (turns + summaries) one episode may make
 _SLOT = "\x00slot\x00"  # a placeholder content for chat-template renders
+_CHECKED: set[tuple] = set()  # (chat template, tools) pairs check_chat_template has passed
 _WARNED: set[str] = set()  # environments already warned about an observation too long for the context
 
 
@@ -122,8 +123,11 @@ THINK_PROBE = "<think>\nprobe\n</think>\n\nanswer"  # an assistant turn as reaso
 
 def check_chat_template(tok, tools: list[dict] | None = None) -> None:
     """Refuse a chat template that rewrites earlier assistant turns once a message follows them (Qwen3's drops their
-    <think> blocks): a multi-turn row would then not be the conversation the template renders. Called once per
-    run_episodes; a ValueError says what the template dropped."""
+    <think> blocks): a multi-turn row would then not be the conversation the template renders. run_episodes calls it;
+    a template is checked once per process (_CHECKED); a ValueError says what the template dropped."""
+    key = (tok.chat_template, repr(tools))
+    if key in _CHECKED:
+        return
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": THINK_PROBE}]
     for later in ([{"role": "user", "content": "y"}], [{"role": "tool", "content": "y"}]):
         try:
@@ -134,6 +138,7 @@ def check_chat_template(tok, tools: list[dict] | None = None) -> None:
             raise ValueError(f"the chat template rewrites an earlier assistant turn once a {later[0]['role']} message follows it "
                              f"(an assistant turn {THINK_PROBE!r} does not survive): multi-turn rows could not be the rendered "
                              "conversation. Use a template that keeps earlier turns verbatim")
+    _CHECKED.add(key)
 
 
 def first_prompt_ids(tok, message: str, tools: list[dict] | None = None) -> list[int]:

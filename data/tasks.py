@@ -504,4 +504,3 @@ def prompt_keys(train: datasets.Dataset) -> list[int]:
     JSON). --algo reinforce's baseline is per prompt, so rows that repeat a prompt (walk's 20,000 rows hold 71) share it."""
     first: dict[str, int] = {}
     return [first.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True), i) for i, p in enumerate(train["prompt"])]
-
