@@ -12,6 +12,11 @@ An environment works in text. One instance per episode (the class is called with
         def critic_context(self) -> str:           # optional: what --critic-context env shows the critic only (called
             ...                                    # once, right after reset): its hidden state, never the policy's input
 
+A tool environment (TRL's environment_factory form: reset(**row), its typed public methods the tools, an optional
+get_reward) is played through tools.ToolEpisode, which gives it this form: its observations are lists of
+{"role": "tool"} messages, its class carries the tools' schemas (`tools`, rendered into the first prompt) and its
+turns are decoded with special tokens kept (the tool-call markup), without the stop token.
+
 The driver (`run_episodes`) owns every token. It keeps the ids the engine sampled (model text is decoded for the
 environment, never encoded back), and takes each observation's ids from the chat template as a delta: the template
 rendered with and without the new user message, the suffix kept (`observation_ids`). A training row is
@@ -51,6 +56,7 @@ import torch
 
 from data.rewards import DEFAULT_USER_TIMEOUT, call_user, failure, import_target
 from rollout import Rollout, Sampling
+from tools import is_tool_env, tool_methods, tool_schemas
 
 ENV_FORMS = "'path/to/file.py:Class' or 'package.module:Class'"
 SUMMARY_REQUEST = "Summarise the progress so far in one line."
@@ -71,11 +77,18 @@ def load_env(spec: str):
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
         raise ValueError(f"--env {spec!r}: {where} has no class {name!r}" + ("" if cls is None else f" (it is a {type(cls).__name__})"))
-    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
-    if missing:
-        raise ValueError(f"--env {spec!r}: {name} has no {' and no '.join(missing)} method (an environment needs reset(row) "
-                         "-> str and step(text) -> (observation or None, reward, done))")
-    for method, call, args in (("__init__", cls, ()), ("reset", cls.reset, (None, {})), ("step", cls.step, (None, ""))):
+    if not callable(getattr(cls, "reset", None)):
+        raise ValueError(f"--env {spec!r}: {name} has no reset method (a text environment needs reset(row) -> str and "
+                         "step(text) -> (observation or None, reward, done); a tool environment reset(**row) and its tools as methods)")
+    if is_tool_env(cls) and not tool_methods(cls):
+        raise ValueError(f"--env {spec!r}: {name} has no step method (a text environment needs step(text) -> (observation "
+                         "or None, reward, done)) and no public method to offer as a tool (a tool environment, docs/tools.md)")
+    if is_tool_env(cls):  # TRL's environment_factory form: its tools are checked here (tools.tool_schemas)
+        tool_schemas(cls, f"--env {spec!r}")
+        checks = (("__init__", cls, ()),)
+    else:
+        checks = (("__init__", cls, ()), ("reset", cls.reset, (None, {})), ("step", cls.step, (None, "")))
+    for method, call, args in checks:
         if method != "__init__" and isinstance(inspect.getattr_static(cls, method), (staticmethod, classmethod)):
             args = args[1:]  # no instance to pass
         try:
@@ -233,6 +246,8 @@ class Episodes:
     --critic-context env puts it before every row of the episode, in the critic's input only."""
     starts: list[list[Start]] = field(default_factory=list)
     """snapshots=True: per episode, the state at the start of each of its model turns (its env deep-copied there)."""
+    tool_stats: list[dict] = field(default_factory=list)
+    """A tool environment: per episode, its ToolEpisode.stats (calls, errors, seconds, task_reward, env_reward, turn_limit)."""
 
 
 def _check_step(out, env, turn: str, text: str):
@@ -246,9 +261,12 @@ def _check_step(out, env, turn: str, text: str):
     if not (isinstance(reward, numbers.Real) and not isinstance(reward, bool) and math.isfinite(reward)):
         raise RuntimeError(f"environment {name}.step returned reward {short(reward)} on {turn} (model text {text!r}); "
                            "rewards must be finite numbers")
-    if not (isinstance(obs, str) or (obs is None and done)):
+    messages = isinstance(obs, list) and obs and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                                                    for m in obs)
+    if not (isinstance(obs, str) or messages or (obs is None and done)):
         raise RuntimeError(f"environment {name}.step returned observation {short(obs)} with done={done} on {turn}; an "
-                           "observation must be a str (None only when done)")
+                           "observation must be a str or a non-empty list of chat messages ({'role': str, 'content': str}; "
+                           "None only when done)")
     return obs, float(reward), done
 
 
@@ -281,9 +299,11 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
         raise ValueError(f"run_episodes: max_turns must be in [1, {_CALLS_PER_EPISODE // 2}), got {max_turns}")
     N, name = sampling.max_new_tokens, f"environment {getattr(env_cls, '__name__', repr(env_cls))}"
 
+    tools = getattr(env_cls, "tools", None)  # a tools.ToolEpisode class: the schemas of its tools
+
     def user(method, fn, arg, where):  # one call of the environment's code, its failures named
-        try:
-            return call_user(fn, *arg, timeout=timeout, what=f"{name}{method}")
+        try:  # a ToolEpisode limits each call of the class's code itself
+            return call_user(fn, *arg, timeout=timeout if tools is None else 0, what=f"{name}{method}")
         except Exception as e:
             raise RuntimeError(failure(f"{name}{method}", e, where)) from e
 
@@ -295,7 +315,9 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
 
     if (snapshots or starts is not None) and compact_at:
         raise ValueError("run_episodes: snapshots and starts are not implemented with compaction (compact_at)")
-    check_chat_template(tok)
+    if tools is not None and compact_at:
+        raise ValueError("run_episodes: compaction (compact_at) is not implemented for tool environments")
+    check_chat_template(tok, tools)
     eps = []
     for i, st in enumerate(starts or ()):
         where = f"a continuation (number {i}) of {st.where}"
@@ -321,7 +343,7 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             if hidden is not None and not isinstance(hidden, str):
                 raise RuntimeError(f"{name}.critic_context returned {hidden!r} on {where}; it must return a str")
             room = context_len - N
-            prompt = [] if len(first) > room * _longest_token(tok) else render(first_prompt_ids, first, where=where)
+            prompt = [] if len(first) > room * _longest_token(tok) else render(first_prompt_ids, first, tools, where=where)
             if not prompt or len(prompt) > room:
                 raise ValueError(f"run_episodes: the first message of {name}.reset on {where} is "
                                  f"{f'{len(prompt)} tokens' if prompt else f'{len(first)} characters'}; with --max-new-tokens "
@@ -356,7 +378,7 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             if ro.finish_reasons[i] != "stop":
                 e.finish = "turn_length"
                 continue
-            text = tok.decode(ids, skip_special_tokens=True)
+            text = tok.decode(ids, skip_special_tokens=True) if tools is None else tok.decode(ids[:-1])  # tool markup may be special
             e.messages.append({"role": "assistant", "content": text})
             if e.summarising:  # this turn was the summary: the row ends, the episode goes on from the task + summary
                 row.finish, e.summarising = "compact", False
@@ -371,20 +393,21 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             if done or e.turns == max_turns:
                 e.finish = "done" if done else "turns"
                 continue
-            used = len(row.prompt) + len(row.tokens)
-            obs_ids = None if len(obs) > (context_len - used) * _longest_token(tok) else render(observation_ids, obs, where=turn)
+            used, size = len(row.prompt) + len(row.tokens), len(obs) if isinstance(obs, str) else sum(len(m["content"]) for m in obs)
+            stop = None if ids[-1] == tok.eos_token_id else tok.convert_ids_to_tokens(ids[-1])
+            obs_ids = None if size > (context_len - used) * _longest_token(tok) else render(observation_ids, obs, stop, tools, where=turn)
             if obs_ids is not None and compact_at and used + len(obs_ids) > compact_at:
                 obs = f"{obs}\n\n{request(e)}"
                 obs_ids, e.summarising = render(observation_ids, obs, where=turn), True
             if obs_ids is None or used + len(obs_ids) > context_len:  # appended, it would make a row longer than the context
                 if name not in _WARNED:  # once per environment: the rest show in rollout/finish_context_frac
                     _WARNED.add(name)
-                    warnings.warn(f"{name}.step returned a {len(obs):,}-character observation on {turn}, longer than the "
+                    warnings.warn(f"{name}.step returned a {size:,}-character observation on {turn}, longer than the "
                                   f"{context_len - used} tokens of context left: the episode ends ('context'), as do later "
                                   "ones (rollout/finish_context_frac)")
                 e.finish, e.summarising = "context", False
                 continue
-            e.messages.append({"role": "user", "content": obs})
+            e.messages += [{"role": "user", "content": obs}] if isinstance(obs, str) else copy.deepcopy(obs)
             row.add(obs_ids, model=False)
 
     out = []  # (episode, row)
@@ -406,14 +429,23 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
         rewards[b, : len(r.rewards)] = torch.tensor(r.rewards)
     return Episodes(ro, rewards, torch.tensor([e.ret for e in eps]), [k for k, _ in out], [e.turns for e in eps],
                     [e.finish for e in eps], [e.messages for e in eps], [e.hidden for e in eps],
-                    [starts_of.get(e.k, []) for e in eps] if snapshots else [])
+                    [starts_of.get(e.k, []) for e in eps] if snapshots else [], [dict(e.env.stats) for e in eps] if tools is not None else [])
 
 
 def episode_metrics(ep: Episodes) -> dict[str, float]:
     """rollout/turns_mean, rollout/obs_token_frac (observation tokens / all response tokens), rollout/rows_per_episode
-    and rollout/finish_<reason>_frac of each FINISH_REASON (0 when absent: every rank logs the same keys)."""
+    and rollout/finish_<reason>_frac of each FINISH_REASON (0 when absent: every rank logs the same keys). A tool
+    environment adds tool/calls_per_episode, tool/error_frac (of the calls), tool/use_frac (episodes with a call),
+    tool/seconds (in tools, this batch), tool/task_reward and tool/env_reward (the two parts of the return, per
+    episode) and tool/turn_limit_frac (episodes cut by the turn budget while calling tools)."""
     ro, E = ep.rollout, len(ep.turns)
     out = {"rollout/turns_mean": sum(ep.turns) / E, "rollout/rows_per_episode": len(ep.episode) / E,
            "rollout/obs_token_frac": float((ro.attend & ~ro.mask).sum() / ro.attend.sum().clamp_min(1))}
     out.update({f"rollout/finish_{k}_frac": sum(f == k for f in ep.finish) / E for k in FINISH_REASONS})
+    if st := ep.tool_stats:  # a tool environment
+        total = lambda k: sum(x[k] for x in st)  # noqa: E731
+        out.update({"tool/calls_per_episode": total("calls") / E, "tool/error_frac": total("errors") / max(total("calls"), 1),
+                    "tool/use_frac": sum(x["calls"] > 0 for x in st) / E, "tool/seconds": total("seconds"),
+                    "tool/task_reward": total("task_reward") / E, "tool/env_reward": total("env_reward") / E,
+                    "tool/turn_limit_frac": total("turn_limit") / E})
     return out

@@ -9,7 +9,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -22,6 +22,7 @@ from moe import is_moe
 from parallel import SUPPORTED_MODELS, check_tp
 from rollout import Sampling
 from runlog import safetensors_problem
+from tools import is_tool_env
 
 
 @dataclass
@@ -53,6 +54,19 @@ class Config:
     compact_at: int = 0
     """Multi-turn context compaction: once a row's context would pass this many tokens, the policy is asked for a summary
     and the episode goes on in a new row from the task plus the summary; 0 = off."""
+    tool_parser: Literal["hermes", "glm"] = "hermes"
+    """A tool environment (--env with TRL's environment_factory form, docs/tools.md): how model turns write tool calls.
+    hermes = JSON in <tool_call>...</tool_call> (Qwen2.5, Qwen3, ChatML models); glm = GLM-4.5/GLM-5's
+    <tool_call>name<arg_key>..</arg_key><arg_value>..</arg_value></tool_call>, turns also ending at <|observation|>."""
+    tool_calls_per_turn: int = 4
+    """A tool environment: the calls run per model turn (each further one answers an error)."""
+    tool_calls_per_episode: int = 16
+    """A tool environment: the calls run per episode (each further one answers an error)."""
+    tool_timeout: float = 10.0
+    """A tool environment: seconds a tool call may take (the python tool is killed at its own limit, PythonLimits; a
+    tool of yours past it stops the run, naming it)."""
+    tool_output_chars: int = 2000
+    """A tool environment: a tool's answer is cut to this many characters."""
     reward: str = ""
     """Reward: '' = the task's default (exact match), 'exact', 'math' (final answer checked by math-verify),
     'path/to/file.py:function' or 'package.module:function' (docs/byo.md)."""
@@ -323,12 +337,17 @@ def resolve(cfg: Config, world_size: int) -> dict:
         load_reward(cfg.reward)
     except ValueError as e:
         errors.append(str(e))
-    multi_turn = _multi_turn(cfg)
+    multi_turn, tool_env = _multi_turn(cfg), False
     if cfg.env:
         try:
-            load_env(cfg.env)
+            tool_env = is_tool_env(load_env(cfg.env))
         except ValueError as e:
             errors.append(str(e))
+    tool_flags = [f"--{f.name.replace('_', '-')}" for f in fields(Config) if f.name.startswith("tool_") and getattr(cfg, f.name) != f.default]
+    if tool_flags and not tool_env:
+        errors.append(f"{', '.join(tool_flags)}: only for a tool environment (--env with reset(**row) and tools as methods, no step)")
+    if min(cfg.tool_calls_per_turn, cfg.tool_calls_per_episode, cfg.tool_output_chars) < 1 or cfg.tool_timeout <= 0:
+        errors.append("--tool-calls-per-turn, --tool-calls-per-episode and --tool-output-chars must be >= 1 and --tool-timeout > 0")
     if cfg.tiny != "dense" and cfg.model:
         errors.append(f"--tiny {cfg.tiny} picks the embedded default model; it cannot go with --model {cfg.model}")
     if cfg.routing_replay and (cfg.engine != "embedded" or _multi_turn(cfg)):
@@ -344,8 +363,10 @@ def resolve(cfg: Config, world_size: int) -> dict:
         errors.append(f"--max-turns and --compact-at must be >= 0 (0 = the default / off), got {cfg.max_turns} and {cfg.compact_at}")
     if not multi_turn and (cfg.max_turns or cfg.compact_at):
         errors.append("--max-turns and --compact-at apply to multi-turn tasks: give --env (or --task guess)")
-    if multi_turn and cfg.reward:
+    if multi_turn and cfg.reward and not tool_env:
         errors.append(f"--reward {cfg.reward!r} with a multi-turn task: the environment's step() gives the rewards")
+    if tool_env and cfg.compact_at:
+        errors.append("--compact-at is not implemented for tool environments")
     if cfg.compact_at and cfg.algo == "grpo":
         errors.append("--compact-at with --algo grpo is refused: a compacted episode is several rows, and GRPO's groups are "
                       "rows of one prompt; use --algo ppo (every row carries its episode's return)")

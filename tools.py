@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 PARSERS = ("hermes", "glm")
@@ -139,6 +140,168 @@ def tool_schemas(env_cls, where: str = "the environment") -> list[dict]:
                              "and a docstring with a description and an Args: section") from None
         out.append(schema)  # get_json_schema leaves a method's self out
     return out
+
+
+STOP_TOKENS = {"hermes": (), "glm": ("<|observation|>", "<|user|>")}  # besides EOS, the tokens a turn in that format ends at
+
+
+@dataclass(frozen=True)
+class ToolLimits:
+    """Per-episode limits of a tool environment (--tool-calls-per-turn, --tool-calls-per-episode, --tool-timeout,
+    --tool-output-chars)."""
+
+    calls_per_turn: int = 4  # calls beyond it in one turn are not run: each gets an error message
+    calls_per_episode: int = 16  # calls beyond it are not run: each gets an error message (answer now)
+    timeout: float = 10.0  # seconds per call: the python tool's wall clock; a tool of yours past it stops the run
+    output_chars: int = 2000  # a tool's answer is cut beyond this
+
+
+def is_tool_env(cls) -> bool:
+    """A TRL-style tool environment (reset(**row), tools as methods, no step) rather than a text one (reset/step)."""
+    return isinstance(cls, type) and callable(getattr(cls, "reset", None)) and not callable(getattr(cls, "step", None))
+
+
+def text_env(task, cfg):
+    """task.env (a data.tasks.Task's) in agent.py's form: a tool environment becomes its ToolEpisode class (tool_env,
+    with the --tool-* flags of cfg, a Config), a text environment or None stays as it is."""
+    if not is_tool_env(task.env):
+        return task.env
+    limits = ToolLimits(cfg.tool_calls_per_turn, cfg.tool_calls_per_episode, cfg.tool_timeout, cfg.tool_output_chars)
+    return tool_env(task.env, cfg.tool_parser, limits, cfg.max_turns or task.max_turns, task, f"--env {cfg.env}" if cfg.env else f"--task {cfg.task}")
+
+
+def stop_ids(tok, env_cls=None) -> tuple[int, ...]:
+    """The ids a model turn stops at: EOS, and for a tool environment (a ToolEpisode class) the STOP_TOKENS of its
+    format that the tokenizer has."""
+    extra = STOP_TOKENS[env_cls.parser] if getattr(env_cls, "tools", None) is not None else ()
+    vocab = tok.get_vocab() if extra else {}
+    return (tok.eos_token_id, *dict.fromkeys(vocab[t] for t in extra if t in vocab and vocab[t] != tok.eos_token_id))
+
+
+class ToolEpisode:
+    """One episode of a TRL-style tool environment in agent.py's text form: reset(row) -> the first user message,
+    step(model text) -> (tool messages or None, reward, done). tool_env builds the subclass for one class.
+
+    reset(row) calls the class's reset(**row) (every column but "where"); a string it returns is appended to the
+    row's prompt after a blank line. A model turn with tool calls gets one {"role": "tool"} message per call: the
+    tool's answer (cut to limits.output_chars), or an error message for a malformed call, an unknown tool, arguments
+    the method cannot take, an exception it raised, or a call over a limit. The episode ends at the first turn with no
+    tool call, or at the turn budget (max_turns): that turn's text outside tool blocks is the answer. Its reward is
+    the task's reward on the answer (score(answer, row); None or no reward function counts 0) plus get_reward() when
+    the class defines it. stats holds the episode's calls, errors, tool seconds and both rewards (agent.episode_metrics
+    logs them). A tool's Exception is the model's to see; a tool that hangs past limits.timeout, or exits, stops the
+    run with an error naming it. Each call of the class's code runs through data.rewards.call_user under its own limit:
+    `timeout` (--user-timeout) for the constructor, reset, get_reward, the task's reward and the hooks, limits.timeout
+    for a tool; the driver calls this class's methods with no limit of their own."""
+
+    cls: type
+    parser: str
+    limits: ToolLimits
+    max_turns: int
+    score = None  # (answer, row) -> float | None: the task's reward
+    timeout: float  # --user-timeout
+    tools: list[dict]  # the schemas the first prompt is rendered with
+    names: list[str]  # the tools' names, in that order
+
+    def __init__(self):
+        self.env, self.turns, self.ran = self._user("()", self.cls), 0, 0
+        self.stats = {"calls": 0, "errors": 0, "seconds": 0.0, "task_reward": 0.0, "env_reward": 0.0, "turn_limit": 0}
+
+    def reset(self, row: dict) -> str:
+        if not isinstance(row["prompt"], str):
+            raise ValueError(f"a tool environment's prompts must be text (the first user message), got {type(row['prompt']).__name__}")
+        self.row = row
+        extra = self._user(".reset", lambda: self.env.reset(**{k: v for k, v in row.items() if k != "where"}))
+        if extra is not None and not isinstance(extra, str):
+            raise ValueError(f"{self.cls.__name__}.reset returned {extra!r}; it must return a str (appended to the prompt) or None")
+        return row["prompt"] + (f"\n\n{extra}" if extra else "")
+
+    def step(self, text: str):
+        self.turns += 1
+        answer, calls, errors = parse_tool_calls(text, self.parser, self.tools)
+        if (not calls and not errors) or self.turns >= self.max_turns:
+            self.stats["turn_limit"] = int(bool(calls or errors))
+            return None, self._final(answer), True
+        out = [self._call(call, i) for i, call in enumerate(calls)] + [(False, f"error: {e}") for e in errors]  # (ran, answer)
+        self.stats["calls"] += len(out)
+        self.stats["errors"] += sum(not ok for ok, _ in out)
+        return [{"role": "tool", "content": r} for _, r in out], 0.0, False
+
+    def _user(self, method: str, fn, *args, timeout: float | None = None, flag: str = "--user-timeout"):
+        from data.rewards import call_user
+
+        return call_user(fn, *args, timeout=self.timeout if timeout is None else timeout, what=f"environment {self.cls.__name__}{method}", flag=flag)
+
+    def _call(self, call: ToolCall, i: int) -> tuple[bool, str]:
+        """(the call ran and returned, the tool message's text) of the turn's i-th call."""
+        from data.rewards import UserCodeError
+
+        lim = self.limits
+        if i >= lim.calls_per_turn:
+            return False, f"error: more than {lim.calls_per_turn} tool calls in one turn; this one was not run"
+        if self.ran >= lim.calls_per_episode:
+            return False, f"error: the episode's {lim.calls_per_episode} tool calls are spent; answer without a tool call"
+        if call.name not in self.names:
+            return False, f"error: there is no tool {call.name!r} (the tools: {', '.join(self.names)})"
+        self.ran, t = self.ran + 1, time.perf_counter()
+        fn = getattr(self.env, call.name)
+        try:  # a lambda: an argument named like call_user's own (timeout) reaches the tool
+            result = self._user(f".{call.name} (a tool)", lambda: fn(**call.arguments), timeout=lim.timeout, flag="--tool-timeout")
+        except UserCodeError:  # past the time limit, or sys.exit: the run stops, naming the tool
+            raise
+        except Exception as e:  # arguments it cannot take (TypeError) included: the model sees it
+            return False, self._cut(f"error: {type(e).__name__}: {e}")
+        finally:
+            self.stats["seconds"] += time.perf_counter() - t
+        return True, self._cut(self._text(call.name, result))
+
+    def _cut(self, r: str) -> str:
+        n = self.limits.output_chars
+        return r if len(r) <= n else r[:n] + f"... ({len(r) - n} more characters cut)"
+
+    def _text(self, name, result) -> str:
+        if isinstance(result, str):
+            return result
+        try:
+            return json.dumps(result)
+        except (TypeError, ValueError):
+            raise RuntimeError(f"tool {self.cls.__name__}.{name} returned {type(result).__name__}; a tool must return a str "
+                               "(or a JSON-serialisable value)") from None
+
+    def _final(self, answer: str) -> float:
+        task = (self.score(answer, self.row) or 0.0) if self.score else 0.0  # score runs the reward under its own limit
+        env = self._user(".get_reward", self.env.get_reward) if callable(getattr(self.env, "get_reward", None)) else 0.0
+        if not (isinstance(env, (int, float)) and not isinstance(env, bool) and math.isfinite(env)):
+            raise RuntimeError(f"{self.cls.__name__}.get_reward returned {env!r}; it must return a finite number")
+        self.stats.update(task_reward=float(task), env_reward=float(env))
+        return float(task) + float(env)
+
+
+def tool_env(cls, parser: str = "hermes", limits: ToolLimits = ToolLimits(), max_turns: int = 8, task=None, where: str = "--env") -> type:
+    """The agent.py environment class (ToolEpisode) that plays TRL-style tool environment `cls` on `task` (a
+    data.tasks.Task: its reward_fn scores the answers, its user_timeout limits the class's code): its tools' schemas
+    checked, its optional reseed and critic_context passed through. A class with no get_reward on a task with no
+    reward function would give every episode 0: a ValueError naming `where`."""
+    from data.rewards import DEFAULT_USER_TIMEOUT, score as score_batch
+
+    score = None
+    if task is not None and task.reward_fn is not None:
+        def score(answer: str, row: dict):  # the task's reward on one answer, as on a single-turn completion
+            sc = score_batch(task, [answer], {k: [v] for k, v in row.items() if k != "where"})
+            return sc.rewards[0].item() if sc.rewarded[0] else None
+    if parser not in PARSERS:
+        raise ValueError(f"--tool-parser {parser!r}: expected one of {list(PARSERS)}")
+    schemas = tool_schemas(cls, where)
+    if score is None and not callable(getattr(cls, "get_reward", None)):
+        raise ValueError(f"{where}: {cls.__name__} has no get_reward() and the task has no reward function, so every episode "
+                         "would score 0: define get_reward(self) -> float, or use a task with a reward (--reward)")
+    attrs = {"cls": cls, "parser": parser, "limits": limits, "max_turns": max_turns, "score": staticmethod(score) if score else None,
+             "timeout": task.user_timeout if task is not None else DEFAULT_USER_TIMEOUT,
+             "tools": schemas, "names": [s["function"]["name"] for s in schemas], "__doc__": cls.__doc__}
+    for hook in ("reseed", "critic_context"):
+        if callable(getattr(cls, hook, None)):
+            attrs[hook] = (lambda h: lambda self, *a: self._user(f".{h}", getattr(self.env, h), *a))(hook)
+    return type(cls.__name__, (ToolEpisode,), attrs)
 
 
 # ----------------------------------------------------------------------------- built-in tools

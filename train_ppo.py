@@ -52,6 +52,7 @@ from parallel import PREEMPTION, Runtime, all_reduce, init_runtime, make_mesh, p
 from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights, sync_weights
 from runlog import (Metrics, RunLog, check_fresh_start, check_inputs, check_resume, input_fingerprints, latest_checkpoint, load_trainer_state,
                     lock_run_dir, save_checkpoint, timed)
+from tools import stop_ids, text_env
 from value_model import (PLATEAU_WINDOW, PromptBaseline, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic,
                          load_policy, set_head_to_mean)
 
@@ -114,10 +115,9 @@ def train_step(run: Run, models: Models, engines: Engines, task, tok, *, index: 
 
 
 def pretrain_critic(run: Run, models: Models, engines: Engines, task, tok, log: RunLog) -> None:
-    """Critic pretraining (VC-PPO, VAPO): critic-only steps on the frozen start policy before step 1, until the explained
-    variance plateaus (value_model.ev_plateaued) or --critic-pretrain steps; then the checkpoint at step 0. Its batches
-    draw their own prompts and seeds, so the RL steps see the same data with or without it. A kill before it ends
-    redoes it."""
+    """Critic pretraining (VC-PPO, VAPO): critic-only steps on the frozen start policy before step 1 until the explained
+    variance plateaus (ev_plateaued) or --critic-pretrain steps, then the step-0 checkpoint. Its batches draw their own
+    prompts and seeds (the RL steps see the same data either way); a kill before it ends redoes it."""
     cap, evs = run.cfg.critic_pretrain, []
     for pre in range(1, cap + 1):
         m = train_step(run, models, engines, task, tok, index=-pre, train_policy=False)
@@ -138,9 +138,8 @@ def pretrain_critic(run: Run, models: Models, engines: Engines, task, tok, log: 
 def finish_step(run: Run, models: Models, engines: Engines, task, tok, log: RunLog, step: int, m: Metrics) -> bool:
     """Reduce the step's metrics, evaluate when due, log, plot, checkpoint; on a SIGTERM (any rank's) checkpoint and
     return True: the run stops."""
-    cfg = run.cfg
+    cfg, last = run.cfg, step + 1 == run.cfg.steps
     row, records = {"step": step + 1, **m.reduce()}, None
-    last = step + 1 == cfg.steps
     if (step + 1) % cfg.eval_every == 0 or last:
         if cfg.eval_dtype == "fp32":  # the fp32 copy gets the new weights only when it is used
             push_weights(models.policy, engines.eval)
@@ -292,6 +291,7 @@ def load_task(run: Run):
                     reward_fn=load_reward(cfg.reward), eval_task=cfg.eval_task, eval_split=cfg.eval_split, user_timeout=cfg.user_timeout)
     if cfg.env:
         task.env, task.max_turns = load_env(cfg.env), DEFAULT_MAX_TURNS
+    task.env = text_env(task, cfg)  # a tool environment (TRL's form) is played as a text one: tools.ToolEpisode
     run.inputs.update(input_fingerprints(cfg, task))
     if run.ckpt:
         run.changes.update(check_inputs(cfg, run.inputs, run.changes))
@@ -355,7 +355,7 @@ def build_engines(run: Run, models: Models, task, tok) -> Engines:
     eval_engine = engine
     if cfg.eval_dtype == "fp32":
         eval_engine = EmbeddedEngine(models.path, dtype="fp32", device=device) if run.engine_rank else None
-    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or task.max_new_tokens, (tok.eos_token_id,),
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or task.max_new_tokens, stop_ids(tok, task.env),
                         run.plan["n"], cfg.seed)
     if task.env is None:
         return Engines(engine, eval_engine, sampling, None, sampling.max_new_tokens, sampling.max_new_tokens)

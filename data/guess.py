@@ -49,6 +49,30 @@ class GuessEnv:
         return ("<" if self.secret < int(t) else ">"), -self.turn_cost, False
 
 
+class GuessTools:
+    """`guess` as a tool environment (TRL's environment_factory form, tools.ToolEpisode): the model calls guess(n),
+    which answers "<", ">" or "="; the episode ends at a turn with no tool call (its answer), and get_reward() is 1
+    once a call has found the secret. The same guesses give the same observations as GuessEnv, plus that last turn, so
+    its turn budget is one more (MAX_TURNS + 1)."""
+
+    def reset(self, **row) -> None:
+        self.secret, self.found = int(row["answer"]), False
+
+    def guess(self, n: int) -> str:
+        """Guess the secret number.
+
+        Args:
+            n: the guess, a whole number in the range the prompt names.
+        """
+        if not (isinstance(n, int) and not isinstance(n, bool) and LO <= n <= HI):
+            return "?"
+        self.found |= n == self.secret
+        return "=" if n == self.secret else "<" if self.secret < n else ">"
+
+    def get_reward(self) -> float:
+        return float(self.found)
+
+
 def guess_rows(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ranges: float = 0.15) -> tuple[list, list]:
     """(train, test) rows (prompt "guess lo-hi", answer the secret); the test ranges are disjoint from the train ranges (a
     seeded test_ranges share of all ranges), the secret is uniform in the range."""

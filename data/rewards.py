@@ -173,12 +173,12 @@ DEFAULT_USER_TIMEOUT = 120.0  # seconds (--user-timeout): far above any sound re
 
 
 class UserCodeError(RuntimeError):
-    """User code exited (sys.exit, or another BaseException that is not an Exception) or ran past its time limit; `why`
+    """User code `what` exited (sys.exit, or another BaseException that is not an Exception) or ran past its time limit; `why`
     says which, as a verb phrase ("called sys.exit(0)", "did not return within 2 s (--user-timeout)")."""
 
     def __init__(self, what: str, why: str):
         super().__init__(f"{what} {why}")
-        self.why = why
+        self.what, self.why = what, why
 
 
 class UserTimeout(UserCodeError):
@@ -190,9 +190,11 @@ class _Worker:
     to its thread (an sqlite3 connection, a thread-local) keeps working from call to call; a daemon thread, so a hung
     call does not keep the process from exiting (concurrent.futures joins its workers at exit: a hang would hang it)."""
 
-    def __init__(self):
+    def __init__(self, depth: int):
         self.pid, self.jobs = os.getpid(), queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="user-code", daemon=True).start()
+        t = threading.Thread(target=self._loop, name=f"user-code-{depth}", daemon=True)
+        t.user_depth = depth  # user code it runs that calls user code (a tool environment's step calling a tool) nests
+        t.start()
 
     def _loop(self):
         while True:
@@ -205,24 +207,27 @@ class _Worker:
             done.set()
 
 
-_worker: _Worker | None = None
+_workers: dict[int, _Worker] = {}  # by depth: the worker that runs user code called from depth-1 user code
 
 
-def call_user(fn: Callable, *args, timeout: float, what: str, **kw):
+def call_user(fn: Callable, *args, timeout: float, what: str, flag: str = "--user-timeout", **kw):
     """fn(*args, **kw), user code named `what` in errors ("reward function my_reward", "environment MyEnv.step"), run
     in the worker thread and waited for at most `timeout` seconds; timeout 0 = no limit, called in this thread (where
     code that sets signals, such as math-verify's own timeouts, works). An Exception fn raises passes through unchanged
     (the caller names the sample or turn); KeyboardInterrupt too. Any other BaseException (SystemExit from sys.exit)
-    is a UserCodeError, and a call past the limit a UserTimeout: the run ends with an error, never with exit 0."""
-    global _worker
+    is a UserCodeError, and a call past the limit a UserTimeout: the run ends with an error, never with exit 0. A call
+from inside user code (a tool environment's step calling a tool) runs in a worker of its own, one level deeper, so
+the inner limit holds within the outer one. flag: the option that sets the limit, named in the timeout's message."""
     if timeout:
-        if _worker is None or _worker.pid != os.getpid():  # a forked child has the object but not the thread
-            _worker = _Worker()
+        depth = getattr(threading.current_thread(), "user_depth", 0)
+        worker = _workers.get(depth)
+        if worker is None or worker.pid != os.getpid():  # a forked child has the object but not the thread
+            worker = _workers[depth] = _Worker(depth + 1)
         box, done = [], threading.Event()
-        _worker.jobs.put((fn, args, kw, box, done))
+        worker.jobs.put((fn, args, kw, box, done))
         if not done.wait(timeout):
-            _worker = None  # the thread stays in the hung call; the next call gets a new one
-            raise UserTimeout(what, f"did not return within {timeout:g} s (--user-timeout)")
+            del _workers[depth]  # the thread stays in the hung call; the next call gets a new one
+            raise UserTimeout(what, f"did not return within {timeout:g} s ({flag})")
         ok, out = box[0]
     else:
         try:
@@ -239,8 +244,8 @@ def call_user(fn: Callable, *args, timeout: float, what: str, **kw):
 
 def failure(what: str, e: BaseException, where: str) -> str:
     """The error message for user code `what` that failed with `e` on `where` (a sample, an episode's turn)."""
-    if isinstance(e, UserCodeError):
-        return f"{what} {e.why} on {where}"
+    if isinstance(e, UserCodeError):  # e.what: the innermost call, e.g. the tool a tool environment's step called
+        return f"{e.what} {e.why} on {where}"
     hint = ""
     if "main thread" in str(e):  # math-verify's timeouts (signal.alarm) inside a user reward, for one
         hint = (" (user code runs in a worker thread under --user-timeout, where signals cannot be set: turn off the "

@@ -19,6 +19,11 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --env "" \
   --max-turns 0 \
   --compact-at 0 \
+  --tool-parser hermes \
+  --tool-calls-per-turn 4 \
+  --tool-calls-per-episode 16 \
+  --tool-timeout 10.0 \
+  --tool-output-chars 2000 \
   --reward "" \
   --user-timeout 120.0 \
   --out-dir outputs/cpu \

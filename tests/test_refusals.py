@@ -59,6 +59,11 @@ def test_the_base_of_the_table_is_accepted(tmp_path):
     (dict(task="guess", reward="math"), 1, "the environment's step"),
     (dict(task="guess", algo="grpo", compact_at=100), 1, "--compact-at with --algo grpo is refused"),
     (dict(task="addition", max_turns=3), 1, "apply to multi-turn tasks"),
+    # tool environments
+    (dict(tool_parser="glm"), 1, "--tool-parser: only for a tool environment"),
+    (dict(env="data.guess:GuessTools", tool_timeout=0.0), 1, "--tool-timeout > 0"),
+    (dict(env="data.guess:GuessTools", compact_at=100), 1, "--compact-at is not implemented for tool environments"),
+    (dict(env="data.guess:GuessEnv", tool_calls_per_turn=2), 1, "--tool-calls-per-turn: only for a tool environment"),
 ], ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else None)
 def test_bad_configs_are_refused_before_work(tmp_path, kw, world, msg):
     with pytest.raises(ValueError, match=msg):

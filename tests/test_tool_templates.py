@@ -6,12 +6,21 @@ that calls tools and opens the tool results). Written here, since no hub is reac
 byte-level one, plus GLM's role tokens."""
 
 import copy
+import re
+import time
 
 import pytest
+import torch
 from transformers.utils import get_json_schema
 
+import agent
+import tools
 from agent import check_chat_template, first_prompt_ids, observation_ids
+from data.guess import GuessEnv, GuessTools, guess_rows
+from data.rewards import exact
+from data.tasks import Task, guess_task
 from data.tiny import build_tokenizer
+from rollout import Rollout, Sampling
 
 HERMES = (
     "{%- if tools %}<|im_start|>system\nYou may call functions.\n<tools>\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n</tools>\n"
@@ -103,3 +112,154 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
     glm = tokenizer(GLM, CASES["glm"][1])
     with pytest.raises(ValueError, match=r"does not end an assistant turn with its stop token '<\|im_end\|>'"):
         observation_ids(glm, [{"role": "tool", "content": "5"}])  # GLM's tool turn ends at <|observation|>, not EOS
+
+
+class Calc:
+    """A TRL-style tool environment: the calculator (tools.calculator), a tool that raises, get_reward = 0.5 when the
+    calculator was used at least once."""
+
+    def reset(self, **row):
+        self.used = 0
+        return "Use the calculator."
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: the expression, e.g. "2 + 3".
+        """
+        self.used += 1
+        return tools.calculator(expression)
+
+    def broken(self, x: int) -> str:
+        """Always fails.
+
+        Args:
+            x: anything.
+        """
+        raise KeyError("no such thing")
+
+    def get_reward(self) -> float:
+        return 0.5 * (self.used > 0)
+
+
+class ByCall:
+    """A fake engine: its k-th generate call answers every row with texts[k] (the canonical encoding plus the stop
+    token named with it), log-prob -0.1 per token."""
+
+    def __init__(self, tok, turns):
+        self.tok, self.turns, self.calls = tok, turns, 0
+
+    def generate(self, prompt_ids, sampling):
+        text, stop = self.turns[self.calls]
+        self.calls += 1
+        ids = self.tok(text, add_special_tokens=False).input_ids + [self.tok.convert_tokens_to_ids(stop)]
+        assert ids[-1] in sampling.stop_token_ids
+        B = len(prompt_ids)
+        return Rollout(torch.tensor([ids] * B), torch.full((B, len(ids)), -0.1), torch.ones(B, len(ids), dtype=torch.bool),
+                       [list(p) for p in prompt_ids], ["stop"] * B)
+
+
+def play(name, turns, env=Calc, **limits):
+    template, extra, *_ = CASES[name]
+    tok = tokenizer(template, extra)
+    task = Task("t", None, None, reward_fn=exact, max_new_tokens=64)
+    cls = tools.tool_env(env, name, tools.ToolLimits(**limits), max_turns=4, task=task)
+    s = Sampling(max_new_tokens=64, n=1, stop_token_ids=tools.stop_ids(tok, cls))
+    ep = agent.run_episodes(ByCall(tok, turns), tok, cls, [{"prompt": "What is 2+3?", "answer": "5", "where": "row 0"}], s, max_turns=4, context_len=2048)
+    return tok, cls, ep
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_tool_episode_through_the_driver(name):
+    """run_episodes on a tool environment: the row is the template's render of the episode's conversation (tools in the
+    first prompt, tool results as tool messages), model tokens alone are trained and carry log-probs, the return is the
+    task's reward on the answer plus get_reward(), and the stats count calls and errors."""
+    _, _, call_stop, answer_stop = CASES[name]
+    good = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>' if name == "hermes"
+            else "<tool_call>calculator<arg_key>expression</arg_key><arg_value>2+3</arg_value></tool_call>")
+    bad = ('<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call><tool_call>{oops}</tool_call>' if name == "hermes"
+           else "<tool_call>broken<arg_key>x</arg_key><arg_value>1</arg_value></tool_call><tool_call>a b</tool_call>")
+    tok, cls, ep = play(name, [(good, call_stop), (bad, call_stop), ("5", answer_stop)])
+    assert cls.__name__ == "Calc" and [s["function"]["name"] for s in cls.tools] == ["calculator", "broken"]
+    ro, msgs = ep.rollout, ep.messages[0]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant", "tool", "tool", "assistant"]
+    assert msgs[0]["content"] == "What is 2+3?\n\nUse the calculator." and msgs[2]["content"] == "5"
+    assert msgs[4]["content"] == "error: KeyError: 'no such thing'" and msgs[5]["content"].startswith("error: ")
+    row = ro.prompt_ids[0] + ro.tokens[0][ro.attend[0]].tolist()
+    whole = tok(tok.apply_chat_template(msgs, tools=cls.tools, tokenize=False), add_special_tokens=False).input_ids
+    assert row == (whole[:-1] if name == "hermes" else whole + [tok.convert_tokens_to_ids(answer_stop)])
+    model = ro.mask[0][ro.attend[0]]
+    sampled = sum(len(tok(t, add_special_tokens=False).input_ids) + 1 for t in (good, bad, "5"))
+    assert int(model.sum()) == sampled and (ro.infer_logp[0][ro.mask[0]] == -0.1).all() and (ro.infer_logp[0][~ro.mask[0]] == 0).all()
+    assert ep.returns.tolist() == [1.5] and ep.turns == [3] and ep.finish == ["done"]  # exact("5") + get_reward 0.5
+    assert ep.tool_stats[0] == {**ep.tool_stats[0], "calls": 3, "errors": 2, "task_reward": 1.0, "env_reward": 0.5, "turn_limit": 0}
+    m = agent.episode_metrics(ep)
+    assert m["tool/calls_per_episode"] == 3 and m["tool/error_frac"] == pytest.approx(2 / 3) and m["tool/use_frac"] == 1
+
+
+def test_tool_limits_and_a_hung_tool():
+    """Calls over the per-turn and per-episode limits are not run and answer errors; a long answer is cut; the turn
+    budget ends the episode, scored on the text outside the tool blocks; a tool past --tool-timeout stops the run
+    naming it."""
+    call = lambda e: f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}</tool_call>'  # noqa: E731
+    _, _, ep = play("hermes", [(call("1+1") + call("2+2") + call("3+3"), "<|im_end|>"), (call("9**9") + call("1"), "<|im_end|>"),
+                               (call("1"), "<|im_end|>"), ("4" + call("1"), "<|im_end|>")], calls_per_turn=2, calls_per_episode=3, output_chars=4)
+    tool = [m["content"] for m in ep.messages[0] if m["role"] == "tool"]
+    assert tool[:2] == ["2", "4"] and "more than 2 tool calls in one turn" in tool[2]
+    assert tool[3] == "3874... (5 more characters cut)" and "3 tool calls are spent" in tool[4] and "spent" in tool[5]
+    assert ep.turns == [4] and ep.tool_stats[0]["turn_limit"] == 1 and ep.returns.tolist() == [0.5]  # "4" != "5"; used > 0
+
+    class Hangs(Calc):
+        def calculator(self, expression: str) -> str:
+            """Never returns.
+
+            Args:
+                expression: ignored.
+            """
+            time.sleep(30)
+
+    with pytest.raises(RuntimeError, match=r"Hangs\.calculator \(a tool\) did not return within 0\.2 s \(--tool-timeout\)"):
+        play("hermes", [(call("1"), "<|im_end|>")], env=Hangs, timeout=0.2)
+
+
+class Bisect:
+    """A fake engine that bisects `guess`: it reads the range and the answers so far off the ChatML context; in tool
+    form it writes each guess as a hermes call and, once a call answered "=", that number as its answer."""
+
+    def __init__(self, tok, tool: bool):
+        self.tok, self.tool = tok, tool
+
+    def generate(self, prompt_ids, sampling):
+        outs = []
+        for p in prompt_ids:
+            msgs = re.findall(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", self.tok.decode(p), re.S)
+            lo, hi = map(int, re.search(r"(\d+)-(\d+)", msgs[0][1]).groups())
+            pairs = [(int(re.findall(r"\d+", a)[-1]), o) for (_, a), (_, o) in zip(msgs[1::2], msgs[2::2])]
+            for g, o in pairs:
+                lo, hi = (lo, g - 1) if o == "<" else (g + 1, hi) if o == ">" else (g, g)
+            g = (lo + hi) // 2
+            text = str(g) if not self.tool or (pairs and pairs[-1][1] == "=") else f'<tool_call>{{"name": "guess", "arguments": {{"n": {g}}}}}</tool_call>'
+            outs.append(self.tok(text, add_special_tokens=False).input_ids + [self.tok.eos_token_id])
+        T = max(map(len, outs))
+        return Rollout(torch.tensor([o + [0] * (T - len(o)) for o in outs]), torch.zeros(len(outs), T),
+                       torch.tensor([[True] * len(o) + [False] * (T - len(o)) for o in outs]), [list(p) for p in prompt_ids], ["stop"] * len(outs))
+
+
+def test_guess_as_a_tool_environment_has_the_text_form_s_structure():
+    """GuessTools (guess(n) as a tool) and GuessEnv (a number per turn) on the same rows and the same bisecting policy:
+    the same guesses, the same observations and the same returns; the tool form has one more turn, its answer."""
+    tok = build_tokenizer()
+    rows = [{"prompt": p, "answer": a} for p, a in zip(*map(list, zip(*guess_rows(seed=3, n_train=1, n_test=24)[1])))]
+    s = Sampling(max_new_tokens=40, n=1, stop_token_ids=(tok.eos_token_id,))
+    text = agent.run_episodes(Bisect(tok, False), tok, GuessEnv, rows, s, max_turns=4, context_len=2048)
+    tool_cls = tools.tool_env(GuessTools, "hermes", max_turns=5, task=guess_task())
+    tool = agent.run_episodes(Bisect(tok, True), tok, tool_cls, rows, s, max_turns=5, context_len=2048)
+    assert 0 < sum(text.returns) < len(rows)  # some found within 4 guesses, some not
+    for e, (a, b) in enumerate(zip(text.messages, tool.messages)):  # text: guesses g1..gk, answers to g1..g(k-1) (gk won or hit the budget)
+        obs_a, obs_b = [m["content"] for m in a[2::2]], [m["content"] for m in b[2::2]]
+        guesses = lambda ms: [int(re.findall(r"\d+", m["content"])[-1]) for m in ms[1::2]]  # noqa: E731
+        k = len(guesses(a))
+        assert obs_b[:-1] == obs_a and len(obs_b) == k and guesses(b)[:k] == guesses(a)  # tool: gk answered too ("=" if won)
+        assert [m["role"] for m in b[2::2]] == ["tool"] * k and (obs_b[-1] == "=") == bool(text.returns[e])
+    assert text.returns.tolist() == tool.returns.tolist() and [t + 1 for t in text.turns] == tool.turns  # + the answer turn
