@@ -15,7 +15,9 @@ An environment works in text. One instance per episode (the class is called with
 A tool environment (TRL's environment_factory form: reset(**row), its typed public methods the tools, an optional
 get_reward) is played through tools.ToolEpisode, which gives it this form: its observations are lists of
 {"role": "tool"} messages, its class carries the tools' schemas (`tools`, rendered into the first prompt) and its
-turns are decoded with special tokens kept (the tool-call markup), without the stop token.
+turns are decoded with special tokens kept (the tool-call markup), without the stop token. A skyrl-gym environment
+(BaseTextEnv's init(prompt) and step(action) -> {observations, reward, done}) is played through `skyrl_env`, an
+adapter to the text form: --env picks either adapter by the class's methods.
 
 The driver (`run_episodes`) owns every token. It keeps the ids the engine sampled (model text is decoded for the
 environment, never encoded back), and takes each observation's ids from the chat template as a delta: the template
@@ -77,9 +79,12 @@ def load_env(spec: str):
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
         raise ValueError(f"--env {spec!r}: {where} has no class {name!r}" + ("" if cls is None else f" (it is a {type(cls).__name__})"))
+    if is_skyrl_env(cls):  # skyrl-gym's BaseTextEnv form, played through its adapter
+        return skyrl_env(cls)
     if not callable(getattr(cls, "reset", None)):
         raise ValueError(f"--env {spec!r}: {name} has no reset method (a text environment needs reset(row) -> str and "
-                         "step(text) -> (observation or None, reward, done); a tool environment reset(**row) and its tools as methods)")
+                         "step(text) -> (observation or None, reward, done); a tool environment reset(**row) and its tools as methods; "
+                         "a skyrl-gym one init(prompt) and step(action))")
     if is_tool_env(cls) and not tool_methods(cls):
         raise ValueError(f"--env {spec!r}: {name} has no step method (a text environment needs step(text) -> (observation "
                          "or None, reward, done)) and no public method to offer as a tool (a tool environment, docs/tools.md)")
@@ -99,6 +104,38 @@ def load_env(spec: str):
         except ValueError:  # a builtin without a signature: nothing to check
             pass
     return cls
+
+
+def is_skyrl_env(cls) -> bool:
+    """skyrl-gym's text-environment form (skyrl_gym.envs.base_text_env.BaseTextEnv): init and step, no reset."""
+    return isinstance(cls, type) and all(callable(getattr(cls, m, None)) for m in ("init", "step")) and not callable(getattr(cls, "reset", None))
+
+
+def skyrl_env(cls) -> type:
+    """The text environment that plays skyrl-gym environment class `cls` (no skyrl-gym import: the form is enough).
+    reset(row) builds cls(env_config={}, extras=...), with the row's columns in extras, its answer as
+    extras["reward_spec"]["ground_truth"] (skyrl-gym's dataset convention) and the row in extras["extra_info"], and
+    returns the one user message init() returns; step(text) returns step()'s observations (chat messages, user or
+    tool), reward and done. metadata is dropped; close() is called when the episode is done."""
+
+    class SkyRL:
+        def reset(self, row: dict) -> str:
+            info = {k: v for k, v in row.items() if k not in ("prompt", "where")}
+            self.env = cls(env_config={}, extras={**info, "reward_spec": {"method": "rule", "ground_truth": row.get("answer")}, "extra_info": info})
+            prompt, _ = self.env.init([{"role": "user", "content": row["prompt"]}])
+            if not (isinstance(prompt, list) and len(prompt) == 1 and prompt[0].get("role") == "user"):
+                raise ValueError(f"{cls.__name__}.init returned {str(prompt)[:200]}; the adapter takes one user message (the first prompt)")
+            return prompt[0]["content"]
+
+        def step(self, text: str):
+            out = self.env.step(text)
+            if out["done"]:
+                self.env.close()
+                return None, out["reward"], True
+            return out["observations"], out["reward"], False
+
+    SkyRL.__name__ = SkyRL.__qualname__ = cls.__name__
+    return SkyRL
 
 
 # ----------------------------------------------------------------------------- chat-template deltas

@@ -226,7 +226,7 @@ class Config:
 
 
 def _multi_turn(cfg: Config) -> bool:
-    return bool(cfg.env) or cfg.task in ("guess", "walk")  # the built-in multi-turn tasks (data/tasks.py)
+    return bool(cfg.env) or cfg.task in ("guess", "walk", "calc")  # the built-in multi-turn tasks (data/tasks.py)
 
 
 def resolve(cfg: Config, world_size: int) -> dict:
@@ -337,7 +337,7 @@ def resolve(cfg: Config, world_size: int) -> dict:
         load_reward(cfg.reward)
     except ValueError as e:
         errors.append(str(e))
-    multi_turn, tool_env = _multi_turn(cfg), False
+    multi_turn, tool_env = _multi_turn(cfg), cfg.task == "calc" and not cfg.env  # calc: a built-in tool environment
     if cfg.env:
         try:
             tool_env = is_tool_env(load_env(cfg.env))

@@ -299,7 +299,7 @@ def load_task(run: Run):
     if not model_path:
         from data.tiny import default_model
 
-        kind = cfg.task if cfg.task in ("addition", "sort", "guess", "walk") else "addition"  # the built-in tasks have their own warm-up
+        kind = cfg.task if cfg.task in ("addition", "sort", "guess", "walk", "calc") else "addition"  # the built-in tasks have their own warm-up
         if run.rt.rank == 0:
             default_model(os.path.join(REPO, ".cache"), task=kind, arch=cfg.tiny)  # the other ranks find it cached
         if dist.is_initialized():

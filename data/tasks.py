@@ -29,8 +29,10 @@ import datasets
 import pyarrow.parquet
 import torch
 
+from data.calc import MAX_TURNS as CALC_TURNS, CalcTools, calc_rows
 from data.guess import MAX_TURNS, GuessEnv, guess_rows
 from data.rewards import DEFAULT_USER_TIMEOUT, check_reward, exact
+from data.rg import rg_rows
 from data.walk import TURNS, WalkEnv, walk_rows
 
 
@@ -460,17 +462,35 @@ def walk_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_shar
     return Task("walk", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=4, env=WalkEnv, max_turns=max(TURNS))
 
 
-TASKS = {"addition": addition_task, "sort": sort_task, "guess": guess_task, "walk": walk_task}
+def calc_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000) -> Task:
+    """Products of 3-digit numbers with a calculator tool: data/calc.py's rows (test pairs disjoint from the train
+    ones) and tool environment (CalcTools, TRL's form: train_ppo.py plays it through tools.ToolEpisode), exact match.
+    max_new_tokens fits the calculator call (81 tokens) and <|im_end|>."""
+    train, test = calc_rows(seed, n_train, n_test)
+    return Task("calc", _dataset(train), _dataset(test), reward_fn=exact, max_new_tokens=96, env=CalcTools, max_turns=CALC_TURNS)
+
+
+def rg_task(name: str, n_train: int = 10000, n_test: int = 500) -> Task:
+    """`--task rg:<name>`: reasoning-gym's procedural dataset `name` (data/rg.py: disjoint train and test seeds, its own
+    score_answer as the reward). max_new_tokens: the longest answer plus room to reason (256)."""
+    train, test, score = rg_rows(name, n_train, n_test)
+    longest = max(len(r["answer"].encode("utf-8")) for r in train + test)
+    return Task(f"rg:{name}", datasets.Dataset.from_list(train), datasets.Dataset.from_list(test), reward_fn=score,
+                max_new_tokens=longest + 256)
+
+
+TASKS = {"addition": addition_task, "sort": sort_task, "guess": guess_task, "walk": walk_task, "calc": calc_task}
 
 
 def get_task(name: str, *, split: str = "train", prompt_key: str = "prompt", answer_key: str = "answer",
              reward_fn: Callable | None = None, eval_task: str = "", eval_split: str = "test",
              user_timeout: float = DEFAULT_USER_TIMEOUT) -> Task:
-    """A built-in task by name ("addition", "sort") or your data (load_task's forms), with `reward_fn` (default:
+    """A built-in task by name ("addition", "sort", "guess", "walk", "calc"), a reasoning-gym one ("rg:<name>", data/rg.py)
+    or your data (load_task's forms), with `reward_fn` (default:
     exact match) and, if given, `eval_task` as the whole held-out set. A reward that cannot take the data's columns
     is refused here (check_reward), before any model loads."""
-    if name in TASKS:
-        task = TASKS[name]()
+    if name in TASKS or name.startswith("rg:"):
+        task = rg_task(name[3:]) if name.startswith("rg:") else TASKS[name]()
         if reward_fn is not None:
             task.reward_fn = reward_fn
         if eval_task:

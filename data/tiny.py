@@ -7,7 +7,7 @@ supervised warm-up on the task so RL starts from a policy that is right some of 
 cached under .cache/, one model per built-in task. A few minutes on 2 CPU threads (always 2: BUILD_THREADS).
 
     python -m data.tiny            # build the addition model (once) and print the path
-    python -m data.tiny sort       # the sort model (guess: the multi-turn guessing task; walk: the windy walk)
+    python -m data.tiny sort       # the sort model (guess: the multi-turn guessing task; walk: the windy walk; calc: the calculator tool)
     python -m data.tiny addition moe   # the MoE twin (Qwen3-MoE, 8 experts, top-2): train_ppo.py --tiny moe
 """
 
@@ -27,9 +27,11 @@ import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 import agent
+import tools
+from data.calc import demo_move as calc_move
 from data.guess import interval
 from data.tasks import TASKS, Task, encode_prompt
-from data.walk import demo_move
+from data.walk import demo_move as walk_move
 from rollout import EmbeddedEngine, Rollout, Sampling
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -59,6 +61,9 @@ DEFAULT_WARMUP = {
     # Greedy walk success cannot pass ~0.26 (the greedy walker never jumps; bench/walk_design.py): target 1.0 runs all
     # the steps, so the sampled policy learns the demonstrations' jump rates, not just their most likely move.
     "walk": dict(target_acc=1.0, max_steps=300, batch_size=64, lr=3e-3, eval_every=50, n_eval=256),
+    # Greedy calc success stays near 0 while the demonstrations call the calculator in 30% of episodes (greedy writes
+    # the product, which it cannot compute): target 1.0 runs all the steps, so the sampled policy learns that rate.
+    "calc": dict(target_acc=1.0, max_steps=300, batch_size=64, lr=3e-3, eval_every=50, n_eval=256),
 }
 
 
@@ -203,17 +208,18 @@ class demo_engine:
 def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callable]:
     """Demonstrations of a multi-turn task, played by the multi-turn driver itself so they have the exact token layout
     RL sees, and greedy success on the validation rows: data/guess.py's noisy bisection (a third with compaction), or
-    for walk data/walk.py's demo_move (no compaction)."""
+    for walk and calc their modules' demo_move (no compaction; calc's tool environment played as train_ppo.py plays it)."""
     rows = task.train.to_list()
     val, rest = rows[:n_eval], rows[n_eval:]
-    walk = task.name == "walk"
+    guess = task.name == "guess"
+    env = tools.tool_env(task.env, max_turns=task.max_turns, task=task) if tools.is_tool_env(task.env) else task.env
     pool = []
     for i in range(0, len(rest), 1000):
         chunk = rest[i : i + 1000]
-        engine = demo_engine(tok, move=demo_move if walk else None)
-        ep = agent.run_episodes(engine, tok, task.env, chunk, Sampling(max_new_tokens=task.max_new_tokens, seed=seed + i),
+        engine = demo_engine(tok, move={"walk": walk_move, "calc": calc_move}.get(task.name))
+        ep = agent.run_episodes(engine, tok, env, chunk, Sampling(max_new_tokens=task.max_new_tokens, seed=seed + i),
                                 max_turns=task.max_turns, context_len=tok.model_max_length,
-                                compact_at=90 if i % 3000 == 0 and not walk else 0)
+                                compact_at=90 if i % 3000 == 0 and guess else 0)
         ro = ep.rollout
         pool += [(p + ro.tokens[b][ro.attend[b]].tolist(), [False] * len(p) + ro.mask[b][ro.attend[b]].tolist())
                  for b, p in enumerate(ro.prompt_ids)]
@@ -221,7 +227,7 @@ def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callab
     def accuracy(model) -> float:
         engine = EmbeddedEngine(model, dtype="fp32")
         greedy = Sampling(top_k=1, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,))
-        ep = agent.run_episodes(engine, tok, task.env, val, greedy, max_turns=task.max_turns, context_len=tok.model_max_length)
+        ep = agent.run_episodes(engine, tok, env, val, greedy, max_turns=task.max_turns, context_len=tok.model_max_length)
         return float((ep.returns > 0).float().mean())
 
     return pool, accuracy
@@ -312,8 +318,8 @@ def cpu_name():
 
 
 def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "addition", arch: str = "dense") -> str:
-    """Path of the tiny model ("dense", or its MoE twin "moe") warmed up on a built-in task ("addition", "sort", "guess"
-    or "walk"), built on first use and cached by architecture + task + seed + settings.
+    """Path of the tiny model ("dense", or its MoE twin "moe") warmed up on a built-in task ("addition", "sort", "guess",
+    "walk" or "calc"), built on first use and cached by architecture + task + seed + settings.
 
     Built in a temp folder and renamed into place, so an interrupted build never leaves a half-written
     cache. The warm-up uses the task's default seed so its test split, the one RL evaluates on, is never

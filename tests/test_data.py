@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import CACHE
-from data.rewards import exact_match_reward, score
+from conftest import CACHE, require_extras
+from data.rewards import exact_match_reward, reward_columns, score
 from data.tasks import Task, addition_task, check_lengths, encode_prompt, get_task, load_task, sort_task
 from data.tiny import (DEFAULT_WARMUP, EOS_ID, PAD_ID, _sft_batch, build_tiny_model, build_tokenizer, default_model,
                        greedy_completions, tiny_config, warmup)
@@ -532,3 +532,22 @@ def test_hostile_inputs_stop_the_run_before_training(tmp_path, tiny_dir, case, m
     with pytest.raises(ValueError, match=message):
         main(small(tmp_path / "run", model=model, **kw))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_reasoning_gym_task():
+    """--task rg:<name>: train and test rows from disjoint index ranges of one generator (no shared question), the
+    reward is the dataset's own score_answer on the entry (metadata included), and an unknown name is refused naming it."""
+    require_extras(["reasoning_gym"], "pip install reasoning-gym (requirements-dev.txt)")
+    import reasoning_gym
+
+    task = get_task("rg:basic_arithmetic")
+    train, test = task.train.to_list(), task.test.to_list()
+    assert len(train) == 10000 and 400 < len(test) <= 500 and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    ds = reasoning_gym.create_dataset("basic_arithmetic", seed=0, size=10500)
+    row = test[3]
+    assert ds[row["rg_index"]]["question"] == row["prompt"]
+    completions = [row["answer"], row["answer"] + "1", " " + row["answer"] + "\n"]
+    sc = score(task, completions, reward_columns(task.test.select([3, 3, 3])))
+    assert sc.rewards.tolist() == pytest.approx([ds.score_answer(answer=c, entry=ds[row["rg_index"]]) for c in completions]) and sc.rewards[0] == 1
+    with pytest.raises(ValueError, match="reasoning-gym has no dataset 'no_such_task'"):
+        get_task("rg:no_such_task")

@@ -16,6 +16,7 @@ from transformers.utils import get_json_schema
 import agent
 import tools
 from agent import check_chat_template, first_prompt_ids, observation_ids
+from conftest import require_extras
 from data.guess import GuessEnv, GuessTools, guess_rows
 from data.rewards import exact
 from data.tasks import Task, guess_task
@@ -263,3 +264,37 @@ def test_guess_as_a_tool_environment_has_the_text_form_s_structure():
         assert obs_b[:-1] == obs_a and len(obs_b) == k and guesses(b)[:k] == guesses(a)  # tool: gk answered too ("=" if won)
         assert [m["role"] for m in b[2::2]] == ["tool"] * k and (obs_b[-1] == "=") == bool(text.returns[e])
     assert text.returns.tolist() == tool.returns.tolist() and [t + 1 for t in text.turns] == tool.turns  # + the answer turn
+
+
+def test_a_skyrl_gym_environment_through_its_adapter(tmp_path):
+    """A small skyrl-gym BaseTextEnv (count down from the row's answer: each turn must say the next number) played by
+    the driver through agent.skyrl_env, picked by load_env from the class's shape: its observations are its chat
+    messages, its rewards per turn, its ground truth the row's answer."""
+    require_extras(["skyrl_gym"], "pip install skyrl-gym (requirements-dev.txt)")
+    (tmp_path / "countdown.py").write_text(
+        "from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput\n\n\n"
+        "class Countdown(BaseTextEnv):\n"
+        "    def __init__(self, env_config=None, extras={}):\n"
+        "        super().__init__()\n"
+        "        self.n = int(extras['reward_spec']['ground_truth'])\n\n"
+        "    def step(self, action):\n"
+        "        self.turns += 1\n"
+        "        ok = action.strip() == str(self.n - self.turns)\n"
+        "        done = not ok or self.n - self.turns == 0\n"
+        "        obs = [] if done else [{'role': 'user', 'content': 'next'}]\n"
+        "        return BaseTextEnvStepOutput(observations=obs, reward=float(ok), done=done, metadata={})\n")
+    env = agent.load_env(f"{tmp_path}/countdown.py:Countdown")
+    assert env.__name__ == "Countdown" and callable(env.reset)
+    tok = build_tokenizer()
+    texts = ["2", "1", "0"]  # from 3: right, right, right (done at 0)
+
+    class Says:
+        def generate(self, prompt_ids, sampling):
+            k = tok.decode(prompt_ids[0]).count("<|im_start|>assistant") - 1
+            ids = tok(texts[k], add_special_tokens=False).input_ids + [tok.eos_token_id]
+            return Rollout(torch.tensor([ids]), torch.zeros(1, len(ids)), torch.ones(1, len(ids), dtype=torch.bool), [list(prompt_ids[0])], ["stop"])
+
+    ep = agent.run_episodes(Says(), tok, env, [{"prompt": "count down from 3", "answer": "3"}], Sampling(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,)),
+                            max_turns=6, context_len=256)
+    assert ep.returns.tolist() == [3.0] and ep.turns == [3] and ep.finish == ["done"]
+    assert [m["content"] for m in ep.messages[0]] == ["count down from 3", "2", "next", "1", "next", "0"]
