@@ -136,6 +136,14 @@ def tiny_model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def calc_model_dir() -> str:
+    """The tiny model warmed up on --task calc (it calls the calculator tool in about 30% of its episodes)."""
+    from data.tiny import default_model
+
+    return default_model(CACHE, task="calc")
+
+
+@pytest.fixture(scope="session")
 def _tiny_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
