@@ -10,6 +10,9 @@ the tool's. The warm-up (data/tiny.py) imitates `demo_move`: it calls the calcul
 and otherwise writes the product straight away (a computation it does not learn), so RL starts from a policy that
 uses the tool some of the time, and raising that rate is the way to raise its success. Train and test rows use
 disjoint pairs of factors.
+
+Not calibrated yet: the default calc model built from this warm-up calls the calculator in 9.5% of its sampled episodes
+and copies the expression wrongly (success 0; docs/tools.md), so it is not yet a start for RL.
 """
 
 from __future__ import annotations
@@ -52,13 +55,13 @@ def calc_rows(seed: int = 0, n_train: int = 20000, n_test: int = 1000) -> tuple[
     return rows[n_test:], rows[:n_test]
 
 
-def demo_move(conversation: str, rng: random.Random) -> str:
+def demo_move(conversation: str, rng: random.Random, p_tool: float = P_TOOL) -> str:
     """The warm-up's demonstrator (data/tiny.py's demo_engine), on the conversation in ChatML text: after a tool's
-    answer, that answer; on the first turn, with probability P_TOOL the calculator call on the prompt, else the product."""
+    answer, that answer; on the first turn, with probability p_tool the calculator call on the prompt, else the product."""
     msgs = [m for m in _MESSAGE.findall(conversation) if m[1]]
     if msgs[-1][0] == "tool":
         return msgs[-1][1]
     expression = msgs[0][1]
-    if rng.random() < P_TOOL:
+    if rng.random() < p_tool:
         return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
     return tools.calculator(expression)

@@ -239,7 +239,7 @@ def _read_source(name: str, split: str, flag: str) -> tuple[str, list[tuple[str,
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
         ds, label = _pick_split(_load_hub(name, split, flag), name, split, flag)
         return label, [(f"row {i}", row) for i, row in enumerate(ds.to_list())]
-    raise ValueError(f"unknown task {name!r}: choose one of {sorted(TASKS)} or give a {' / '.join(FILE_TYPES)} file, a "
+    raise ValueError(f"unknown task {name!r}: choose one of {sorted(TASKS)}, rg:<name> (a reasoning-gym dataset), or give a {' / '.join(FILE_TYPES)} file, a "
                      "datasets.save_to_disk folder or a hub dataset name owner/name")
 
 

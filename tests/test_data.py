@@ -179,7 +179,7 @@ def test_load_task_bad_inputs(tmp_path):
         load_task(str(tmp_path / "x.txt"))
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_task(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ValueError, match=r"unknown task 'subtraction': choose one of \['addition', 'guess', 'sort', 'walk'\]"):
+    with pytest.raises(ValueError, match=r"unknown task 'subtraction': choose one of \['addition', 'calc', 'guess', 'sort', 'walk'\], rg:<name>"):
         get_task("subtraction")
 
 

@@ -5,8 +5,8 @@ differs from it.
 
 Layers, bottom to top, and why in this order:
 - losses, moe, parallel, decoder: tensor math, the device mesh, the embedded engine's model.
-- data.rewards, data.guess, data.walk, data.tasks, tools: prompts, environments, rewards, tool-call parsers and the
-  built-in tools; no model or engine code, and
+- data.rewards, data.guess, data.walk, data.calc, data.rg, data.tasks, tools: prompts, environments (text and tool
+  ones), rewards, reasoning-gym's tasks, tool-call parsers and the built-in tools; no model or engine code, and
   agent.py needs data.rewards (--env shares --reward's plug-in loader), so they sit below the engines.
 - rollout: the engine interface, the embedded engine, make_engine and the weight push.
 - sglang_engine, agent, vine: the other engine, the multi-turn driver and VinePPO's Monte Carlo values, all on
@@ -30,7 +30,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("losses", "moe", "parallel", "decoder"),
-    ("data.rewards", "data.guess", "data.walk", "data.tasks", "tools"),
+    ("data.rewards", "data.guess", "data.walk", "data.calc", "data.rg", "data.tasks", "tools"),
     ("rollout",),
     ("sglang_engine", "agent", "vine"),
     ("data.tiny",),

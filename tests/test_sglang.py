@@ -276,26 +276,26 @@ def test_multi_turn_episodes(engine, hf_model):
     assert ep.rollout.prompt_ids[0] == agent.first_prompt_ids(tok, "abc")
 
 
-def test_tool_episodes(calc_model_dir):
-    """--task calc's tool episodes on SGLang (fp32) with the tiny calc model: some call the calculator, and the
-    trainer's recompute equals SGLang's log-probs on every model token, tool tokens attended in between."""
+def test_tool_episodes(tool_caller_dir):
+    """--task calc's tool environment on SGLang (fp32) with a tiny model that calls the calculator (tool_caller_dir):
+    the trainer's recompute equals SGLang's log-probs on every model token, tool tokens attended in between."""
     import agent
     import tools
     from data.tasks import calc_task
     from sglang_engine import SGLangEngine
 
-    tok = transformers.AutoTokenizer.from_pretrained(calc_model_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(tool_caller_dir)
     task = calc_task()
     env = tools.tool_env(task.env, max_turns=task.max_turns, task=task)
     s = Sampling(max_new_tokens=task.max_new_tokens, n=2, seed=5, stop_token_ids=tools.stop_ids(tok, env))
-    eng = SGLangEngine(calc_model_dir, dtype="fp32", max_total_tokens=8192)
+    eng = SGLangEngine(tool_caller_dir, dtype="fp32", max_total_tokens=8192)
     try:
         ep = agent.run_episodes(eng, tok, env, task.test.to_list()[:24], s, max_turns=task.max_turns, context_len=256)
     finally:
         eng.shutdown()
     ro = ep.rollout
-    assert sum(st["calls"] > 0 for st in ep.tool_stats) >= 3 and (ro.attend & ~ro.mask).any()
-    model = transformers.AutoModelForCausalLM.from_pretrained(calc_model_dir, dtype=torch.float32)
+    assert sum(st["calls"] > 0 for st in ep.tool_stats) >= 24 and (ro.attend & ~ro.mask).any()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tool_caller_dir, dtype=torch.float32)
     assert max_diff(ro.infer_logp, trainer_logp(model, ro, s, tok.pad_token_id), ro.mask) < FP32_ATOL
 
 
