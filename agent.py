@@ -151,9 +151,9 @@ def observation_ids(tok, message: str | list[dict], stop: str | None = None, too
     template as a delta, with a placeholder for the model's turn, so no model text is encoded. message: a user
     message, or a list of messages (a tool turn's {"role": "tool", "content": ...} results). stop: the text of the
     stop token the turn ended with (default EOS); where the template opens the next message with it (GLM's
-    <|observation|>, which ends a turn that calls tools), that sampled token is the delta's start and is not repeated.
+    <|observation|>, which ends a turn that calls tools), that sampled token is the delta's start and is not repeated;
+    any other stop token stands in for the template's EOS, which the delta then starts after.
     tools: the schemas the first prompt was rendered with (a template may print them)."""
-    stop = tok.eos_token if stop is None else stop
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SLOT}]
     before = _render(tok, base, False, tools)
     after = _render(tok, base + ([{"role": "user", "content": message}] if isinstance(message, str) else list(message)), True, tools)
@@ -162,10 +162,12 @@ def observation_ids(tok, message: str | list[dict], stop: str | None = None, too
         raise ValueError("observation_ids: the chat template renders earlier turns differently once a message follows "
                          "them, so observation tokens cannot be taken as a delta")
     rest = after[cut:]
-    if not rest.startswith(stop):
-        raise ValueError(f"observation_ids: the chat template does not end an assistant turn with its stop token "
-                         f"{stop!r} (it writes {rest[:20]!r}), which the model's turns stop at")
-    return tok(rest[len(stop):], add_special_tokens=False).input_ids
+    ends = [t for t in (stop, tok.eos_token) if t]  # another stop token stands in for EOS
+    end = next((t for t in ends if rest.startswith(t)), None)
+    if end is None:
+        raise ValueError(f"observation_ids: the chat template does not end an assistant turn with {' or '.join(map(repr, ends))} "
+                         f"(it writes {rest[:20]!r}), the stop token the model's turn ended with")
+    return tok(rest[len(end):], add_special_tokens=False).input_ids
 
 
 THINK_PROBE = "<think>\nprobe\n</think>\n\nanswer"  # an assistant turn as reasoning models write it

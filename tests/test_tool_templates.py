@@ -113,8 +113,10 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
         check_chat_template(tokenizer(template, extra), [get_json_schema(calculator)])
     check_chat_template(build_tokenizer())
     glm = tokenizer(GLM, CASES["glm"][1])
-    with pytest.raises(ValueError, match=r"does not end an assistant turn with its stop token '<\|im_end\|>'"):
+    with pytest.raises(ValueError, match=r"does not end an assistant turn with '<\|im_end\|>' \(it writes '<\|observation"):
         observation_ids(glm, [{"role": "tool", "content": "5"}])  # GLM's tool turn ends at <|observation|>, not EOS
+    hermes = tokenizer(HERMES)  # a turn that stopped at another stop token: the template's EOS follows it as usual
+    assert observation_ids(hermes, "go on", stop="[") == observation_ids(hermes, "go on") != []
 
 
 class Calc:
