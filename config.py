@@ -187,6 +187,10 @@ class Config:
     moe_flip: float = 0.0
     """Lab knob (off at 0): the embedded engine routes each token's k-th expert to the (k+1)-th best with this
     probability per token and MoE layer, a heavy-tailed discrete mismatch the trainer does not make (docs/engines.md)."""
+    prefix_cache: bool = False
+    """Embedded engine, multi-turn tasks: keep the last turn's keys and values, so the next turn prefills only its new
+    tokens (bench/bench_episodes.py: 2.2x on --task guess). Log-probs equal a fresh prefill's to float rounding, not bit
+    for bit, so it is off by default; not for MoE models. SGLang keeps its own prefix cache."""
     routing_replay: bool = False
     """MoE: the trainer's recompute and policy passes use the experts the engine chose for each token (R3); the gate
     weights stay the trainer router's softmax at those experts. Embedded engine, single-turn tasks."""
@@ -316,6 +320,8 @@ def resolve(cfg: Config, world_size: int) -> dict:
     if cfg.engine == "sglang":
         if cfg.moe_flip:
             errors.append("--moe-flip is a knob of the embedded engine (--engine embedded)")
+        if cfg.prefix_cache:
+            errors.append("--prefix-cache is the embedded engine's (--engine embedded); SGLang keeps its own prefix cache")
         if cfg.engine_dtype in ("fp8", "int4"):
             errors.append(f"--engine sglang takes --engine-dtype fp32 or bf16 ({cfg.engine_dtype} fake-quantised weights are the "
                           "embedded engine's; SGLang 0.5.23 has no on-the-fly weight quantisation that update_weights can refresh)")
@@ -401,6 +407,8 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
                          f"implement {', '.join(SUPPORTED_MODELS)})")
     if cfg.routing_replay and not is_moe(mc):
         raise ValueError(f"--routing-replay: {name} is not a mixture of experts (model type {mc.model_type!r})")
+    if cfg.prefix_cache and is_moe(mc):
+        raise ValueError(f"--prefix-cache is not implemented for mixtures of experts ({name}: a cached prefix has no recorded routing)")
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(path, f)) for f in files):
         raise ValueError(f"{name} has no tokenizer files (none of {', '.join(files)}); save one there with tokenizer.save_pretrained")

@@ -41,6 +41,30 @@ def load_pretrained(cls, path: str, what: str, *, new: tuple[str, ...] = (), unu
     return model
 
 
+# Largest finite float8_e4m3fn value: the per-channel scale maps each row's absmax onto it.
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+INT4_GROUP_SIZE = 32  # dtype "int4": consecutive input elements per scale
+
+
+def fake_quant_fp8(w: Tensor) -> Tensor:
+    """Round a Linear weight [out, in] through float8_e4m3fn with one scale per output channel, and back."""
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_E4M3_MAX
+    return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
+
+
+def fake_quant_int4(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> Tensor:
+    """Round a Linear weight [out, in] through symmetric weight-only int4 and back (the FlashRL / GPTQ rule, in float32):
+    per group of `group_size` consecutive input elements, s = absmax / 7, w_hat = clamp(round(w / s), -8, 7) * s, so
+    |w - w_hat| <= s / 2 and the absmax element is kept (docs/algorithms.md, section 16). Returns w_hat in w's dtype."""
+    rows, cols = w.shape
+    if cols % group_size:
+        raise ValueError(f"fake_quant_int4: the input dimension {cols} of a [{rows}, {cols}] weight is not a "
+                         f"multiple of group_size={group_size}")
+    g = w.float().reshape(rows, cols // group_size, group_size)
+    s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7  # the clamp only guards all-zero groups
+    return ((g / s).round().clamp(-8, 7) * s).reshape(rows, cols).to(w.dtype)
+
+
 # HF name inside a decoder layer -> (slot in the fused per-layer store, part index). Parts of one slot
 # are concatenated along dim 0 (output rows) so q/k/v and gate/up each run as a single matmul.
 LAYER_SLOTS = {
@@ -120,8 +144,10 @@ class Decoder:
         start == 0 (a whole sequence, prefill): attention over these S tokens; attn_mask is None (plain
             causal) or additive float [B, 1, S, S] (0 = attend, -inf = masked). With kv the keys and
             values are also written to cache slots 0..S.
-        start > 0 (one decode step, S == 1): the new key/value go to cache slot `start`, attention reads
+        start > 0, S == 1 (one decode step): the new key/value go to cache slot `start`, attention reads
             slots 0..start; attn_mask is additive float [B * n_kv, 1, start + 1].
+        start > 0, S > 1 (a window prefill after cached slots 0..start, EmbeddedEngine's prefix cache): keys and values go
+            to slots start..start + S, attention reads slots 0..start + S; attn_mask is additive float [B, 1, S, start + S].
         """
         B, S = ids.shape
         H, K, D = self.n_heads, self.n_kv, self.head_dim
@@ -149,6 +175,10 @@ class Decoder:
             if start == 0:
                 a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
                                                    enable_gqa=K != H)
+                a = a.transpose(1, 2).reshape(B, S, H * D)
+            elif S > 1:  # a window after cached slots: its queries read the keys and values of slots 0..start + S
+                keys, values = k_cache[:, :, : start + S].to(self.dtype), v_cache[:, :, : start + S].to(self.dtype)
+                a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=K != H)
                 a = a.transpose(1, 2).reshape(B, S, H * D)
             else:
                 # Decode: the H // K query heads sharing a KV head are that head's query rows, so one

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import losses
-from decoder import LAYER_SLOTS, TOP_SLOTS, Decoder, check_arch, load_pretrained
+from decoder import INT4_GROUP_SIZE, LAYER_SLOTS, TOP_SLOTS, Decoder, check_arch, fake_quant_fp8, fake_quant_int4, load_pretrained  # noqa: F401
 from parallel import full_weights
 
 
@@ -220,28 +220,7 @@ class Engine(Protocol):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "int4": torch.bfloat16}
 # KV-cache storage: "auto" = the compute dtype, "fp8" = float8_e4m3fn with a fixed scale of 1.0.
 KV_CACHE_DTYPES = ("auto", "fp8")
-# Largest finite float8_e4m3fn value: the per-channel scale maps each row's absmax onto it.
-FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
-INT4_GROUP_SIZE = 32  # dtype "int4": consecutive input elements per scale
 
-
-def fake_quant_fp8(w: Tensor) -> Tensor:
-    """Round a Linear weight [out, in] through float8_e4m3fn with one scale per output channel, and back."""
-    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_E4M3_MAX
-    return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
-
-
-def fake_quant_int4(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> Tensor:
-    """Round a Linear weight [out, in] through symmetric weight-only int4 and back (the FlashRL / GPTQ rule, in float32):
-    per group of `group_size` consecutive input elements, s = absmax / 7, w_hat = clamp(round(w / s), -8, 7) * s, so
-    |w - w_hat| <= s / 2 and the absmax element is kept (docs/algorithms.md, section 16). Returns w_hat in w's dtype."""
-    rows, cols = w.shape
-    if cols % group_size:
-        raise ValueError(f"fake_quant_int4: the input dimension {cols} of a [{rows}, {cols}] weight is not a "
-                         f"multiple of group_size={group_size}")
-    g = w.float().reshape(rows, cols // group_size, group_size)
-    s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7  # the clamp only guards all-zero groups
-    return ((g / s).round().clamp(-8, 7) * s).reshape(rows, cols).to(w.dtype)
 
 class EmbeddedEngine:
     """Batched sampler over a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM, with its own compact forward pass
@@ -260,10 +239,16 @@ class EmbeddedEngine:
     moe_flip: a lab knob (--moe-flip, off at 0): an MoE engine routes each token's k-th expert to the (k+1)-th best
         with this probability per token and layer (moe.sparse_block), drawn from a generator seeded per generate call
         by its first row's sampling seed (per logits() call by 0), so the flips hang on the call's batch and chunking.
+    prefix_cache: keep the keys and values of the last generate call's rows (prompt and response) until the next
+        call, the weights change or the engine sleeps, so a prompt that extends one of them (the next turn of an
+        episode: context + observation) prefills only its new tokens (`prefill_tokens` counts the prefilled ones).
+        Log-probs equal a fresh prefill's to float rounding, not bit for bit (tests/test_rollout.py); memory grows by
+        one batch's keys and values. Not for MoE models (their routing is recorded per input position).
     """
 
     def __init__(self, model_or_path, *, dtype: str = "fp32", kv_cache_dtype: str = "auto",
-                 device: str | torch.device = "cpu", max_batch_tokens: int = 65536, moe_flip: float = 0.0):
+                 device: str | torch.device = "cpu", max_batch_tokens: int = 65536, moe_flip: float = 0.0,
+                 prefix_cache: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"EmbeddedEngine: dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -285,6 +270,11 @@ class EmbeddedEngine:
             raise ValueError(f"EmbeddedEngine: moe_flip (--moe-flip) must be in [0, 1] and needs an MoE model, got {moe_flip} "
                              f"for a {c.model_type} model")
         self.lm.flip = (moe_flip, torch.Generator(self.device)) if moe_flip else None
+        if prefix_cache and self.lm.top_k:
+            raise NotImplementedError("EmbeddedEngine: prefix_cache is not implemented for MoE models (a cached prefix "
+                                      "has no recorded routing)")
+        self.prefix_cache, self.prefill_tokens = prefix_cache, 0
+        self._prefixes: dict[tuple[int, ...], Tensor] = {}  # the last call's rows' ids -> their keys and values [L, 2, K, len, D]
 
         # name -> (store key, row range within it); the store holds the fused, precision-transformed weights.
         parts: dict[str, list[tuple[int, str, Tensor]]] = {}
@@ -347,6 +337,7 @@ class EmbeddedEngine:
         A tied model's lm_head.weight is the embedding: sending both writes the same weight twice.
         """
         self._check_open("update_weights")
+        self._prefixes = {}
         for name, t in named_tensors:
             self._view(name, "update_weights", t.shape).copy_(self._transform(name, t))
 
@@ -374,8 +365,8 @@ class EmbeddedEngine:
             return 0
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
-        released = 0 if self._kv is None else self._kv.nbytes
-        self._kv = None
+        released = (0 if self._kv is None else self._kv.nbytes) + sum(t.nbytes for t in self._prefixes.values())
+        self._kv, self._prefixes = None, {}
         if cuda:
             self._store = {k: v.to("cpu") for k, v in self._store.items()}
             self.lm.bind(self._store, self.tied)  # drop the hot-loop references to the CUDA tensors too
@@ -394,7 +385,7 @@ class EmbeddedEngine:
 
     def shutdown(self) -> None:
         """Drop weights and cache; every later call raises."""
-        self._store, self.lm, self._kv = {}, None, None
+        self._store, self.lm, self._kv, self._prefixes = {}, None, None, {}
         self._closed = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -403,15 +394,21 @@ class EmbeddedEngine:
         if self._closed:
             raise RuntimeError(f"EmbeddedEngine.{caller}: the engine was shut down")
 
-    def _kv_cache(self, B: int, S: int) -> list[tuple[Tensor, Tensor]]:
-        """Views [B, n_kv, S, D] (keys, values) per layer into the preallocated flat buffer (in kv_dtype)."""
+    def _kv_cache(self, B: int, S: int) -> Tensor:
+        """A view [layers, 2 (keys, values), B, n_kv, S, D] into the preallocated flat buffer (in kv_dtype)."""
         shape = (self.lm.n_layers, 2, B, self.lm.n_kv, S, self.lm.head_dim)
         need = math.prod(shape)
         if self._kv is None or self._kv.numel() < need:
             self._kv = None  # free the old buffer before allocating the larger one
             self._kv = torch.empty(need, dtype=self.kv_dtype, device=self.device)
-        kv = self._kv[:need].view(shape)
-        return [(kv[i, 0], kv[i, 1]) for i in range(self.lm.n_layers)]
+        return self._kv[:need].view(shape)
+
+    def _cached(self, prompt: list[int]) -> Tensor | None:
+        """The keys and values of the longest row of the last call that a prompt extends by at least one token."""
+        for n in sorted({len(k) for k in self._prefixes if len(k) < len(prompt)}, reverse=True):
+            if (hit := self._prefixes.get(tuple(prompt[:n]))) is not None:
+                return hit
+        return None
 
     @torch.inference_mode()
     def logits(self, input_ids: Tensor) -> Tensor:
@@ -449,18 +446,22 @@ class EmbeddedEngine:
         # the batch composition or on how it is chunked (max_batch_tokens).
         u = torch.stack([torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(sampling.row_seed(r)))
                          for r in range(len(prompts) * n)])
-        outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * n : (i + per_chunk) * n].to(self.device), P)
+        kept: dict[tuple[int, ...], Tensor] = {}
+        outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * n : (i + per_chunk) * n].to(self.device), P, kept)
                 for i in range(0, len(prompts), per_chunk)]
+        if self.prefix_cache:
+            self._prefixes = kept
         ro = Rollout.from_ragged([t for o in outs for t in o[0]], [p for p in prompts for _ in range(n)],
                                  [r for o in outs for r in o[2]], infer_logp=[lp for o in outs for lp in o[1]])
         if self.lm.top_k:  # a chunk's routing [b, P + its longest response, L, k], right-padded to to_batch's P + T columns
             ro.routing = torch.cat([F.pad(o[3], (0, 0, 0, 0, 0, P + ro.tokens.size(1) - o[3].size(1)), value=-1) for o in outs])
         return ro
 
-    def _generate_chunk(self, prompts: list[list[int]], s: Sampling, uniforms: Tensor, width: int):
+    def _generate_chunk(self, prompts: list[list[int]], s: Sampling, uniforms: Tensor, width: int, kept: dict):
         """Rows are the prompts, each repeated s.n times; uniforms [B, N] drive the draws. Returns per row its CPU
         response tokens and log-probs, the finish reasons, and an MoE's routing [B, width + T, L, k] (width: the longest
-        prompt of the whole generate call, for to_batch's columns)."""
+        prompt of the whole generate call, for to_batch's columns). With the prefix cache, the rows' keys and values
+        go into `kept`."""
         dev, n, N, K = self.device, s.n, s.max_new_tokens, self.lm.n_kv
         B = len(prompts) * n
         lens = torch.tensor([len(p) for p in prompts])
@@ -486,9 +487,24 @@ class EmbeddedEngine:
 
         # Prefill each distinct prompt once, into the cache rows of its first sample (rows 0, n, 2n, ...),
         # then copy those slots to the prompt's other n - 1 rows.
-        kv = self._kv_cache(B, P + N)
+        slots = self._kv_cache(B, P + N)
+        kv = [(slots[i, 0], slots[i, 1]) for i in range(self.lm.n_layers)]
         routes, steps = ([], []) if self.lm.top_k else (None, None)  # MoE: each layer's experts per input position
-        h = self.lm.forward(ids.to(dev), pos[::n, :P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], 0, routes)
+        hits = [self._cached(p) for p in prompts] if self._prefixes else []
+        # Prefix cache: slots below `cut` come from the cache in every row (pads zeroed: never attended, but an
+        # uninitialised NaN would leak through a zero attention weight); the prefill runs on slots cut..P only.
+        cut = min((P - len(p) + (0 if h is None else h.size(3)) for p, h in zip(prompts, hits)), default=0)
+        for r, h in enumerate(hits if cut else []):
+            a = min(P - len(prompts[r]), cut)
+            slots[:, :, r * n, :, :a] = 0
+            if h is not None:
+                slots[:, :, r * n, :, a:cut] = h[:, :, :, : cut - a]
+        if cut:
+            q_slot, key = torch.arange(cut, P, device=dev)[:, None], torch.arange(P, device=dev)
+            attend = (key <= q_slot) & valid[::n, None, :P] | (key == q_slot)  # a pad query sees itself, as above
+            prefill_mask = torch.zeros(attend.shape, dtype=self.dtype, device=dev).masked_fill(~attend, -math.inf)[:, None]
+        self.prefill_tokens += sum(min(len(p), P - cut) for p in prompts)
+        h = self.lm.forward(ids[:, cut:].to(dev), pos[::n, cut:P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], cut, routes)
         if n > 1:
             for cache in (c for pair in kv for c in pair):
                 grouped = cache.view(B // n, n, *cache.shape[1:])[:, :, :, :P]
@@ -532,6 +548,8 @@ class EmbeddedEngine:
             routing = F.pad(torch.cat([pre, dec], 1), (0, 0, 0, 0, width - P, 0), value=-1).cpu()
         lens = mask.sum(1).tolist()  # a row's tokens are a prefix: it stops at its stop token
         tokens, logp = tokens.cpu(), logp.cpu()
+        for b, k in enumerate(lens if self.prefix_cache else []):  # the slots written: prompt and response[:-1]
+            kept[tuple(prompts[b // n] + tokens[b, : k - 1].tolist())] = slots[:, :, b, :, int(n_pad[b]) : P + k - 1].clone()
         return [x[:k] for x, k in zip(tokens, lens)], [x[:k] for x, k in zip(logp, lens)], finish, routing
 
 
@@ -551,7 +569,8 @@ def make_engine(cfg, path: str, device: torch.device) -> Engine:
         gpu = dict(base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION) if device.type == "cuda" else {}
         # --seed seeds SGLang's sampling stream (on CPU the only seed it honours; see sglang_engine's docstring).
         return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed, **gpu)
-    return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device, moe_flip=cfg.moe_flip)
+    return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device, moe_flip=cfg.moe_flip,
+                          prefix_cache=cfg.prefix_cache)
 
 
 def push_weights(policy, engine: Engine | None) -> None:

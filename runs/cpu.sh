@@ -76,6 +76,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --kv-cache-dtype auto \
   --sync-every 1 \
   --moe-flip 0.0 \
+  --no-prefix-cache \
   --no-routing-replay \
   --tp 1 \
   --no-fsdp \

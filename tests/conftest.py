@@ -137,44 +137,10 @@ def tiny_model_dir() -> str:
 
 @pytest.fixture(scope="session")
 def tool_caller_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """The tiny addition model after 200 supervised steps (lr 1e-3) on --task calc demonstrations that always call the
-    calculator (data/calc.py's demo_move with p_tool 1): it writes tool calls, most with a wrongly copied expression, and
-    gets tool messages back, which is what the tests of tool-episode tokens need (not a model that solves calc)."""
-    import functools
+    """The tiny addition model fitted to call the calculator (data.tiny.tool_caller)."""
+    from data.tiny import tool_caller
 
-    import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import agent
-    import tools
-    from data.calc import demo_move
-    from data.tasks import calc_task
-    from data.tiny import _sft_batch, demo_engine
-    from rollout import Sampling
-
-    out = str(tmp_path_factory.mktemp("tool_caller"))
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    task = calc_task()
-    env = tools.tool_env(task.env, max_turns=task.max_turns, task=task)
-    ep = agent.run_episodes(demo_engine(tok, move=functools.partial(demo_move, p_tool=1.0)), tok, env, task.train.to_list()[:640],
-                            Sampling(max_new_tokens=task.max_new_tokens, seed=0), max_turns=task.max_turns, context_len=256)
-    ro = ep.rollout
-    pool = [(p + ro.tokens[b][ro.attend[b]].tolist(), [False] * len(p) + ro.mask[b][ro.attend[b]].tolist()) for b, p in enumerate(ro.prompt_ids)]
-    # 100 steps at lr 3e-3 left a model whose calls came and went with the thread count (10 or 42 of 48 episodes) and
-    # whose fp32 recompute error reached 3.6e-4; this fit calls in 42-43 of 48 either way, recompute error < 5e-5.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    torch.manual_seed(0)
-    for step in range(200):
-        ids, trained = _sft_batch(tok, [pool[i] for i in torch.randint(len(pool), (32,)).tolist()])
-        loss = F.cross_entropy(model(input_ids=ids).logits[:, :-1][trained], ids[:, 1:][trained])
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return tool_caller(tiny_model_dir, str(tmp_path_factory.mktemp("tool_caller")))
 
 
 @pytest.fixture(scope="session")

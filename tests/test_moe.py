@@ -84,6 +84,8 @@ def test_moe_flip_knob_swaps_the_kth_expert_at_its_rate(model):
                                                                    num_attention_heads=2, num_key_value_heads=2))
     with pytest.raises(ValueError, match="needs an MoE model"):
         EmbeddedEngine(dense, moe_flip=0.1)
+    with pytest.raises(NotImplementedError, match="prefix_cache is not implemented for MoE models"):
+        EmbeddedEngine(model, prefix_cache=True)
     for kw, msg in ((dict(moe_flip=1.5), r"--moe-flip must be a probability in \[0, 1\]"), (dict(engine="sglang", moe_flip=0.1), "--moe-flip is a knob of the embedded")):
         with pytest.raises(ValueError, match=msg):
             resolve(Config(**kw), 1)

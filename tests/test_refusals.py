@@ -54,6 +54,7 @@ def test_the_base_of_the_table_is_accepted(tmp_path):
     (dict(out_dir=""), 1, "--out-dir must not be empty"),
     (dict(engine_dtype="fp8", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
     (dict(engine_dtype="int4", engine="sglang"), 1, "--engine sglang takes --engine-dtype fp32 or bf16"),
+    (dict(prefix_cache=True, engine="sglang"), 1, "--prefix-cache is the embedded engine's"),
     (dict(reward="nonsense"), 1, "(?s)invalid configuration:.*--reward 'nonsense'"),
     # multi-turn
     (dict(task="guess", reward="math"), 1, "the environment's step"),

@@ -5,9 +5,10 @@ system message, consecutive tool results in one user block) and a GLM-style one 
 that calls tools and opens the tool results). Written here, since no hub is reachable; the tokenizer is the tiny
 byte-level one, plus GLM's role tokens. Then the driver on tool environments (issue 24, section 1): whole episodes
 against the render, the limits, a hung tool, guess in both forms, a skyrl-gym environment through its adapter; and on a
-tiny model that calls the calculator, the trainer's recompute against the engine."""
+tiny model that calls the calculator, the trainer's recompute against the engine and the notebook examples/tools.ipynb."""
 
 import copy
+import os
 import re
 import time
 
@@ -18,7 +19,7 @@ from transformers.utils import get_json_schema
 import agent
 import tools
 from agent import check_chat_template, first_prompt_ids, observation_ids
-from conftest import require_extras, trainer_logp
+from conftest import REPO, require_extras, trainer_logp
 from data.guess import GuessEnv, GuessTools, guess_rows
 from data.rewards import exact
 from data.tasks import Task, calc_task, guess_task
@@ -323,3 +324,22 @@ def test_tool_episodes_recompute_equals_the_engine(tool_caller_dir):
     assert sum(st["calls"] > 0 for st in ep.tool_stats) >= 24 and (ro.attend & ~ro.mask).any() and max(ep.turns) >= 2
     model = AutoModelForCausalLM.from_pretrained(tool_caller_dir, dtype=torch.float32)
     assert (trainer_logp(model, ro, s, tok.pad_token_id) - ro.infer_logp)[ro.mask].abs().max() < 1e-4
+
+
+def test_the_notebook_runs(tiny_model_dir):
+    """examples/tools.ipynb, its code cells run in order in one namespace (no Jupyter needed): it fits the tool caller,
+    builds a tool environment, parses a call, plays calc episodes and computes the losses; its own checks asserted here."""
+    import json
+
+    with open(os.path.join(REPO, "examples", "tools.ipynb")) as f:
+        cells = ["".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code"]
+    ns = {}
+    cwd = os.getcwd()
+    os.chdir(REPO)  # default_model's .cache is the repository's, the one tiny_model_dir built
+    try:
+        for src in cells:
+            exec(compile(src, "examples/tools.ipynb", "exec"), ns)
+    finally:
+        os.chdir(cwd)
+    assert ns["ep"].tool_stats[ns["used"]]["calls"] >= 1 and ns["ep"].returns[ns["used"]] >= 0.5  # get_reward's bonus
+    assert (ns["logp"] - ns["ro"].infer_logp)[ns["ro"].mask].abs().max() < 1e-4 and torch.isfinite(ns["loss"])
