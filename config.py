@@ -189,7 +189,7 @@ class Config:
     probability per token and MoE layer, a heavy-tailed discrete mismatch the trainer does not make (docs/engines.md)."""
     prefix_cache: bool = False
     """Embedded engine, multi-turn tasks: keep the last turn's keys and values, so the next turn prefills only its new
-    tokens (bench/bench_episodes.py: 2.2x on --task guess). Log-probs equal a fresh prefill's to float rounding, not bit
+    tokens (bench/bench_episodes.py: 2.4x on --task guess). Log-probs equal a fresh prefill's to float rounding, not bit
     for bit, so it is off by default; not for MoE models. SGLang keeps its own prefix cache."""
     routing_replay: bool = False
     """MoE: the trainer's recompute and policy passes use the experts the engine chose for each token (R3); the gate

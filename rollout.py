@@ -242,7 +242,7 @@ class EmbeddedEngine:
     prefix_cache: keep the keys and values of the last generate call's rows (prompt and response) until the next
         call, the weights change or the engine sleeps, so a prompt that extends one of them (the next turn of an
         episode: context + observation) prefills only its new tokens (`prefill_tokens` counts the prefilled ones).
-        Log-probs equal a fresh prefill's to float rounding, not bit for bit (tests/test_rollout.py); memory grows by
+        Log-probs equal a fresh prefill's to float rounding, not bit for bit (tests/test_agent.py); memory grows by
         one batch's keys and values. Not for MoE models (their routing is recorded per input position).
     """
 

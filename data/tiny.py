@@ -11,6 +11,7 @@ cached under .cache/, one model per built-in task. A few minutes on 2 CPU thread
     python -m data.tiny addition moe   # the MoE twin (Qwen3-MoE, 8 experts, top-2): train_ppo.py --tiny moe
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -19,7 +20,6 @@ import random
 import shutil
 import tempfile
 import time
-import functools
 from typing import Callable
 
 import torch
