@@ -422,14 +422,37 @@ def start_model(path):
     return h.hexdigest()[:16]
 
 
-def default_start_model(g, task):
-    """The folder of the default model a run of this grid and task starts from, built now if this machine lacks it
-    (train_ppo.py would build the same one: data.tiny.default_model, the same cache)."""
+def default_start_model(g, task, keep=None, cache=os.path.join(REPO, ".cache")):
+    """The folder of the default model a run of this grid and task starts from (train_ppo.py uses the same one:
+    data.tiny.default_model, the same cache), built now if this machine lacks it. With `keep` (the grid's committed
+    folder, where keep_start_model puts it under start/<its cache name>) a kept model is restored into a cache that
+    lacks it: a rebuild on another CPU or library version can round differently, and one grid needs one start model.
+    A cache that holds another build than the kept one is refused, naming both."""
     sys.path.insert(0, REPO)
-    from data.tiny import DEFAULT_WARMUP, default_model
+    from data.tiny import DEFAULT_WARMUP, default_model, default_model_path
 
     arch = g["base"][g["base"].index("--tiny") + 1] if "--tiny" in g["base"] else "dense"
-    return default_model(os.path.join(REPO, ".cache"), task=task if task in DEFAULT_WARMUP else "addition", arch=arch)
+    kw = dict(task=task if task in DEFAULT_WARMUP else "addition", arch=arch)
+    path = default_model_path(cache, **kw)
+    kept = os.path.join(keep, "start", os.path.basename(path)) if keep else None
+    if kept and os.path.isdir(kept) and not os.path.isdir(path):
+        os.makedirs(cache, exist_ok=True)
+        shutil.rmtree(tmp := path + ".restoring", ignore_errors=True)
+        shutil.copytree(kept, tmp)
+        os.replace(tmp, path)
+        print(f"restored the grid's start model {os.path.relpath(kept, REPO)} into {path}", flush=True)
+    path = default_model(cache, **kw)
+    if kept and os.path.isdir(kept) and start_model(kept) != start_model(path):
+        sys.exit(f"{path} holds another build of the start model ({start_model(path)}) than the grid's, kept in "
+                 f"{kept} ({start_model(kept)}): move the cached one away (it is rebuilt or restored on the next run)")
+    return path
+
+
+def keep_start_model(path, keep):
+    """Keep a grid's start model in its committed folder (keep/start/<cache name>) if it is not kept yet."""
+    if not os.path.isdir(kept := os.path.join(keep, "start", os.path.basename(path))):
+        shutil.copytree(path, kept)
+        print(f"kept the start model {path} in {os.path.relpath(kept, REPO)} (commit it with the report)", flush=True)
 
 
 def run_command(g, task, arm, seed, run_dir):
@@ -865,9 +888,11 @@ def main():
         # Core arms first; within a phase, every arm of a seed before the next seed, so a partial grid stays balanced.
         core = [a for a in g["core"] if a in arms]
         todo = [(t, a, s) for phase in (core, [a for a in arms if a not in core]) for t in tasks for s in seeds for a in phase]
-        # One grid, one start model: stored runs that started from another build of it (another thread count, library
-        # or code version; older runs carry no fingerprint) are never mixed with new ones. --set-aside moves them out.
-        fps = {t: start_model(default_start_model(g, t)) for t in tasks}
+        # One grid, one start model: stored runs that started from another build of it (another CPU, library or code
+        # version; older runs carry no fingerprint) are never mixed with new ones. --set-aside moves them out. The start
+        # models are kept beside the report (keep_start_model), so a grid resumed on a fresh machine restores them.
+        paths = {t: default_start_model(g, t, asset_dir) for t in tasks}
+        fps = {t: start_model(p) for t, p in paths.items()}
         if other := [r for r in stored if r["task"] in fps and r.get("start_model") != fps[r["task"]]]:
             if not args.set_aside:
                 sys.exit(f"{len(other)} stored run(s) of {args.grid} started from another build of the start model (fingerprints "
@@ -878,6 +903,8 @@ def main():
             stored = [r for r in stored if r not in other]
             save_compact(compact, meta, stored)
             print(f"set aside {len(other)} stored run(s) into {aside}", flush=True)
+        for p in paths.values():  # the runs about to start use these start models: a later machine restores them
+            keep_start_model(p, asset_dir)
         try:
             failed = run_all(g, root, todo, args.jobs, {(r["task"], r["arm"], r["seed"]) for r in stored if r["steps"] == steps_of(g, r["task"])})
         except KeyboardInterrupt:  # the runs this process started were stopped (they resume next time); report the finished ones

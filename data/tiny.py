@@ -346,14 +346,10 @@ def cpu_name():
         return platform.machine() or "unknown"
 
 
-def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "addition", arch: str = "dense") -> str:
-    """Path of the tiny model ("dense", or its MoE twin "moe") warmed up on a built-in task ("addition", "sort", "guess",
-    "walk" or "calc"), built on first use and cached by architecture + task + seed + settings.
-
-    Built in a temp folder and renamed into place, so an interrupted build never leaves a half-written
-    cache. The warm-up uses the task's default seed so its test split, the one RL evaluates on, is never
-    trained on whatever the model seed.
-    """
+def default_model_path(cache_dir: str = ".cache", seed: int = 0, task: str = "addition", arch: str = "dense") -> str:
+    """Where default_model caches this model (built or not): the name holds architecture, task, seed and a hash of
+    the settings. The same name on two machines can still hold different weights: float rounding differs by CPU and
+    library version (warmup.json's built_with says what built it), so bench/lab.py keeps each grid's start model."""
     if task not in DEFAULT_WARMUP:
         raise ValueError(f"default_model: no default warm-up for task {task!r}; choose one of {sorted(DEFAULT_WARMUP)}")
     if arch not in ARCHS:
@@ -364,7 +360,18 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
                 "task": task, "warmup": DEFAULT_WARMUP[task],
                 "lr_warmup_steps": LR_WARMUP_STEPS, "grad_clip": GRAD_CLIP, "threads": BUILD_THREADS}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-    path = os.path.abspath(os.path.join(cache_dir, f"tiny-{'moe-' if arch == 'moe' else ''}{task}-seed{seed}-{key}"))
+    return os.path.abspath(os.path.join(cache_dir, f"tiny-{'moe-' if arch == 'moe' else ''}{task}-seed{seed}-{key}"))
+
+
+def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "addition", arch: str = "dense") -> str:
+    """Path of the tiny model ("dense", or its MoE twin "moe") warmed up on a built-in task ("addition", "sort", "guess",
+    "walk" or "calc"), built on first use and cached by architecture + task + seed + settings (default_model_path).
+
+    Built in a temp folder and renamed into place, so an interrupted build never leaves a half-written
+    cache. The warm-up uses the task's default seed so its test split, the one RL evaluates on, is never
+    trained on whatever the model seed.
+    """
+    path = default_model_path(cache_dir, seed, task, arch)
     if os.path.isfile(os.path.join(path, "warmup.json")):
         return path
     os.makedirs(cache_dir, exist_ok=True)

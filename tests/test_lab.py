@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -122,6 +123,8 @@ def test_quick_report(runs, grid):
     assert {f"report/{task}_{name}.png" for name in expected} <= set(images)
     assert all((report.parent / img).stat().st_size > 1000 for img in images)
     assert (d / f"{grid}-quick" / "report" / "metrics.jsonl.gz").is_file() and (d / ".gitignore").read_text() == "*\n"
+    kept = list((d / f"{grid}-quick" / "report" / "start").glob("tiny-*"))  # the start model, kept for another machine
+    assert len(kept) == 1 and lab.start_model(str(kept[0])) == lab.load_compact(str(report.parent / "report" / "metrics.jsonl.gz"))[1][0]["start_model"]
 
 
 @pytest.mark.lab
@@ -165,6 +168,34 @@ def test_start_model_fingerprint(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"abc")
     (tmp_path / "config.json").write_text("{}")  # not part of the fingerprint
     assert lab.start_model(str(tmp_path)) == "ba7816bf8f01cfea"  # sha256("abc")
+
+
+def test_the_start_model_is_kept_with_the_grid_and_restored_into_a_fresh_cache(tmp_path, monkeypatch):
+    """A grid keeps its start model (report folder/start/<cache name>) when its runs start; a machine whose cache lacks
+    it gets that copy, not a rebuild (which can round differently); a cache holding another build is refused."""
+    import data.tiny
+
+    builds = []
+
+    def build(cache, task, arch):  # stands in for the minutes-long build: each build's weights differ
+        path = data.tiny.default_model_path(cache, task=task, arch=arch)
+        if not os.path.isdir(path):
+            os.makedirs(path)
+            (Path(path) / "model.safetensors").write_bytes(f"build {len(builds)}".encode())
+            builds.append(path)
+        return path
+
+    monkeypatch.setattr(data.tiny, "default_model", build)
+    g, keep = {"base": []}, str(tmp_path / "report")
+    first = lab.default_start_model(g, "walk", keep, str(tmp_path / "cache1"))
+    lab.keep_start_model(first, keep)
+    fp = lab.start_model(first)
+    assert len(builds) == 1 and lab.start_model(os.path.join(keep, "start", os.path.basename(first))) == fp
+    second = lab.default_start_model(g, "walk", keep, str(tmp_path / "cache2"))  # a fresh machine: restored, not rebuilt
+    assert len(builds) == 1 and lab.start_model(second) == fp and second != first
+    assert lab.start_model(build(str(tmp_path / "cache3"), "walk", "dense")) != fp  # a machine with its own build
+    with pytest.raises(SystemExit, match="holds another build of the start model"):
+        lab.default_start_model(g, "walk", keep, str(tmp_path / "cache3"))
 
 
 @pytest.mark.lab
