@@ -172,13 +172,11 @@ class Decoder:
                 k_cache, v_cache = kv[i]
                 k_cache[:, :, start : start + S] = k
                 v_cache[:, :, start : start + S] = v
-            if start == 0:
+            if start == 0 or S > 1:  # a window after cached slots reads the keys and values of slots 0..start + S
+                if start:
+                    k, v = k_cache[:, :, : start + S].to(self.dtype), v_cache[:, :, : start + S].to(self.dtype)
                 a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
                                                    enable_gqa=K != H)
-                a = a.transpose(1, 2).reshape(B, S, H * D)
-            elif S > 1:  # a window after cached slots: its queries read the keys and values of slots 0..start + S
-                keys, values = k_cache[:, :, : start + S].to(self.dtype), v_cache[:, :, : start + S].to(self.dtype)
-                a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=K != H)
                 a = a.transpose(1, 2).reshape(B, S, H * D)
             else:
                 # Decode: the H // K query heads sharing a KV head are that head's query rows, so one

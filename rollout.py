@@ -403,12 +403,10 @@ class EmbeddedEngine:
             self._kv = torch.empty(need, dtype=self.kv_dtype, device=self.device)
         return self._kv[:need].view(shape)
 
-    def _cached(self, prompt: list[int]) -> Tensor | None:
-        """The keys and values of the longest row of the last call that a prompt extends by at least one token."""
-        for n in sorted({len(k) for k in self._prefixes if len(k) < len(prompt)}, reverse=True):
-            if (hit := self._prefixes.get(tuple(prompt[:n]))) is not None:
-                return hit
-        return None
+    def _cached(self, prompt: list[int], lengths: list[int]) -> Tensor | None:
+        """The keys and values of the longest row of the last call (lengths: theirs, longest first) that a prompt
+        extends by at least one token."""
+        return next((hit for n in lengths if n < len(prompt) and (hit := self._prefixes.get(tuple(prompt[:n]))) is not None), None)
 
     @torch.inference_mode()
     def logits(self, input_ids: Tensor) -> Tensor:
@@ -490,7 +488,8 @@ class EmbeddedEngine:
         slots = self._kv_cache(B, P + N)
         kv = [(slots[i, 0], slots[i, 1]) for i in range(self.lm.n_layers)]
         routes, steps = ([], []) if self.lm.top_k else (None, None)  # MoE: each layer's experts per input position
-        hits = [self._cached(p) for p in prompts] if self._prefixes else []
+        lengths = sorted({len(k) for k in self._prefixes}, reverse=True)
+        hits = [self._cached(p, lengths) for p in prompts] if lengths else []
         # Prefix cache: slots below `cut` come from the cache in every row (pads zeroed: never attended, but an
         # uninitialised NaN would leak through a zero attention weight); the prefill runs on slots cut..P only.
         cut = min((P - len(p) + (0 if h is None else h.size(3)) for p, h in zip(prompts, hits)), default=0)

@@ -29,9 +29,8 @@ from data.tiny import build_tokenizer, default_model, tool_caller  # noqa: E402
 from rollout import EmbeddedEngine, Sampling  # noqa: E402
 
 
-def workload(name: str):
+def workload(name: str, tok):
     """(env class, task, max turns, new tokens per turn, stop ids) of a task."""
-    tok = build_tokenizer()
     if name == "guess":
         return GuessEnv, guess_task(), MAX_TURNS, 8, (tok.eos_token_id,)
     task = calc_task()
@@ -52,10 +51,10 @@ def main():
     print(f"threads {args.threads}, {args.episodes} episodes per run, best of {args.repeats}")
     print(f"{'task':>11} {'dtype':>6} {'prefix cache':>12} {'s cpu':>7} {'s wall':>7} {'turns':>6} {'prefilled':>10} "
           f"{'model tok/s cpu':>16} {'speed-up':>9}")
+    cache = os.path.join(REPO, ".cache")
     for name in args.task:
-        cache = os.path.join(REPO, ".cache")
         path = tool_caller(default_model(cache), tempfile.mkdtemp()) if name == "calc-caller" else default_model(cache, task=name)
-        env, task, turns, new, stop = workload(name)
+        env, task, turns, new, stop = workload(name, tok)
         rows = task.train.to_list()[: args.episodes]
         for dtype in args.dtype:
             base = None

@@ -25,7 +25,7 @@ import agent  # noqa: E402
 import data.calc as calc  # noqa: E402
 import tools  # noqa: E402
 from data.tasks import calc_task  # noqa: E402
-from data.tiny import GRAD_CLIP, LR_WARMUP_STEPS, _sft_batch, build_tiny_model, default_model, demo_engine  # noqa: E402
+from data.tiny import GRAD_CLIP, LR_WARMUP_STEPS, _sft_batch, build_tiny_model, default_model, demo_engine, demo_pool  # noqa: E402
 from rollout import EmbeddedEngine, Sampling  # noqa: E402
 
 
@@ -68,8 +68,7 @@ def main():
     move = lambda text, rng: calc.demo_move(text, rng, p_tool=args.p_tool)  # noqa: E731
     ep = agent.run_episodes(demo_engine(tok, move=move), tok, env, rows[256 : 256 + 8000], Sampling(max_new_tokens=96, seed=0),
                             max_turns=calc.MAX_TURNS, context_len=256)
-    ro = ep.rollout
-    pool = [(p + ro.tokens[b][ro.attend[b]].tolist(), [False] * len(p) + ro.mask[b][ro.attend[b]].tolist()) for b, p in enumerate(ro.prompt_ids)]
+    pool = demo_pool(ep.rollout)
     gen = torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / LR_WARMUP_STEPS))

@@ -442,9 +442,9 @@ def default_start_model(g, task, keep=None, cache=os.path.join(REPO, ".cache")):
         os.replace(tmp, path)
         print(f"restored the grid's start model {os.path.relpath(kept, REPO)} into {path}", flush=True)
     path = default_model(cache, **kw)
-    if kept and os.path.isdir(kept) and start_model(kept) != start_model(path):
-        sys.exit(f"{path} holds another build of the start model ({start_model(path)}) than the grid's, kept in "
-                 f"{kept} ({start_model(kept)}): move the cached one away (it is rebuilt or restored on the next run)")
+    if kept and os.path.isdir(kept) and (want := start_model(kept)) != (have := start_model(path)):
+        sys.exit(f"{path} holds another build of the start model ({have}) than the grid's, kept in {kept} ({want}): "
+                 "move the cached one away (it is rebuilt or restored on the next run)")
     return path
 
 

@@ -206,6 +206,12 @@ class demo_engine:
         return Rollout.from_ragged(outs, prompt_ids, ["stop"] * len(outs))
 
 
+def demo_pool(ro: Rollout) -> list[tuple[list[int], list[bool]]]:
+    """_sft_batch's examples from played demonstrations: each row's prompt and attended tokens, the model's trained."""
+    return [(p + ro.tokens[b][ro.attend[b]].tolist(), [False] * len(p) + ro.mask[b][ro.attend[b]].tolist())
+            for b, p in enumerate(ro.prompt_ids)]
+
+
 def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callable]:
     """Demonstrations of a multi-turn task, played by the multi-turn driver itself so they have the exact token layout
     RL sees, and greedy success on the validation rows: data/guess.py's noisy bisection (a third with compaction), or
@@ -221,9 +227,7 @@ def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callab
         ep = agent.run_episodes(engine, tok, env, chunk, Sampling(max_new_tokens=task.max_new_tokens, seed=seed + i),
                                 max_turns=task.max_turns, context_len=tok.model_max_length,
                                 compact_at=90 if i % 3000 == 0 and guess else 0)
-        ro = ep.rollout
-        pool += [(p + ro.tokens[b][ro.attend[b]].tolist(), [False] * len(p) + ro.mask[b][ro.attend[b]].tolist())
-                 for b, p in enumerate(ro.prompt_ids)]
+        pool += demo_pool(ep.rollout)
 
     def accuracy(model) -> float:
         engine = EmbeddedEngine(model, dtype="fp32")
@@ -246,8 +250,7 @@ def tool_caller(model_dir: str, out_dir: str, steps: int = 200, lr: float = 1e-3
     env = tools.tool_env(task.env, max_turns=task.max_turns, task=task)
     ep = agent.run_episodes(demo_engine(tok, move=functools.partial(calc_move, p_tool=1.0)), tok, env, task.train.to_list()[:rows],
                             Sampling(max_new_tokens=task.max_new_tokens, seed=0), max_turns=task.max_turns, context_len=256)
-    ro = ep.rollout
-    pool = [(p + ro.tokens[b][ro.attend[b]].tolist(), [False] * len(p) + ro.mask[b][ro.attend[b]].tolist()) for b, p in enumerate(ro.prompt_ids)]
+    pool = demo_pool(ep.rollout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     torch.manual_seed(0)
     for _ in range(steps):
