@@ -6,13 +6,11 @@ tools.ToolEpisode with the hermes parser) and then answer; the reward is exact m
     tool: 159294     assistant: 159294   -> reward 1          (or: assistant: 158114  -> reward 0, no call)
 
 A 1M-parameter model cannot multiply 3-digit numbers, but it can copy: the call copies the prompt, the answer copies
-the tool's. The warm-up (data/tiny.py) imitates `demo_move`: it calls the calculator in P_TOOL of its demonstrations
-and otherwise writes the product straight away (a computation it does not learn), so RL starts from a policy that
-uses the tool some of the time, and raising that rate is the way to raise its success. Train and test rows use
-disjoint pairs of factors.
-
-Not calibrated yet: the default calc model built from this warm-up calls the calculator in 9.5% of its sampled episodes
-and copies the expression wrongly (success 0; docs/tools.md), so it is not yet a start for RL.
+the tool's. The warm-up (data/tiny.py's calc_warmup) starts from the addition model and imitates `demo_move`: first
+demonstrations that always call the calculator, which teach the copy, then ones that call it in P_TOOL of episodes and
+otherwise write the product straight away (a computation it does not learn). So RL starts from a policy that uses the
+tool some of the time (about a quarter of its sampled episodes) and copies well when it does, and raising that rate is
+the way to raise its success. Train and test rows use disjoint pairs of factors.
 """
 
 from __future__ import annotations

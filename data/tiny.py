@@ -3,8 +3,8 @@ twin, ~1M active of 3.4M parameters: train_ppo.py --tiny moe).
 
 `default_model()` returns a folder that `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained`
 load like any Hugging Face checkpoint. It is built on first use (random init, then a short
-supervised warm-up on the task so RL starts from a policy that is right some of the time) and
-cached under .cache/, one model per built-in task. A few minutes on 2 CPU threads (always 2: BUILD_THREADS).
+supervised warm-up on the task so RL starts from a policy that is right some of the time; calc: the addition model,
+then calc_warmup) and cached under .cache/, one model per built-in task. A few minutes on 2 CPU threads (always 2: BUILD_THREADS).
 
     python -m data.tiny            # build the addition model (once) and print the path
     python -m data.tiny sort       # the sort model (guess: the multi-turn guessing task; walk: the windy walk; calc: the calculator tool)
@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 import agent
 import tools
+from data.calc import P_TOOL
 from data.calc import demo_move as calc_move
 from data.guess import interval
 from data.tasks import TASKS, Task, calc_task, encode_prompt
@@ -62,9 +63,11 @@ DEFAULT_WARMUP = {
     # Greedy walk success cannot pass ~0.26 (the greedy walker never jumps; bench/walk_design.py): target 1.0 runs all
     # the steps, so the sampled policy learns the demonstrations' jump rates, not just their most likely move.
     "walk": dict(target_acc=1.0, max_steps=300, batch_size=64, lr=3e-3, eval_every=50, n_eval=256),
-    # Greedy calc success stays near 0 while the demonstrations call the calculator in 30% of episodes (greedy writes
-    # the product, which it cannot compute): target 1.0 runs all the steps, so the sampled policy learns that rate.
-    "calc": dict(target_acc=1.0, max_steps=300, batch_size=64, lr=3e-3, eval_every=50, n_eval=256),
+    # calc starts from the addition model (it already writes digits) and fits calc_warmup's phases (p_tool, steps, lr) in
+    # turn: demonstrations that always call the calculator (copying the expression into the call takes ~1,000 steps),
+    # then the P_TOOL mix at a lower lr, which brings the sampled call rate down to about a quarter and keeps the copy
+    # (at lr 1e-3 the mix swung calls between 5% and 30% and lost most of the copy: bench/calc_design.py, docs/tools.md).
+    "calc": dict(init="addition", phases=((1.0, 1000, 1e-3), (P_TOOL, 200, 2e-4)), batch_size=32, n_eval=256, rows=8000),
 }
 
 
@@ -238,19 +241,49 @@ def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callab
     return pool, accuracy
 
 
-def tool_caller(model_dir: str, out_dir: str, steps: int = 200, lr: float = 1e-3, rows: int = 640) -> str:
-    """A tiny model that calls the calculator, for tests and examples of tool-episode tokens (not a model that solves
-    --task calc): model_dir (the tiny addition model) after `steps` supervised steps of 32 on `rows` calc demonstrations
-    that always call it (data/calc.py's demo_move with p_tool 1). It writes tool calls, most with a wrongly copied
-    expression, and gets tool messages back: in 42-43 of 48 sampled episodes at 1 or 2 threads (100 steps at lr 3e-3
-    gave 10 or 42 by thread count). Seconds on a CPU; saved to and returns out_dir."""
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def calc_pool(tok, rows: list, p_tool: float) -> list:
+    """_sft_batch's examples from data/calc.py's demonstrations on `rows`, played as train_ppo.py plays the task: each
+    calls the calculator with probability p_tool (drawn from its row's seed)."""
     task = calc_task()
     env = tools.tool_env(task.env, max_turns=task.max_turns, task=task)
-    ep = agent.run_episodes(demo_engine(tok, move=functools.partial(calc_move, p_tool=1.0)), tok, env, task.train.to_list()[:rows],
+    ep = agent.run_episodes(demo_engine(tok, move=functools.partial(calc_move, p_tool=p_tool)), tok, env, rows,
                             Sampling(max_new_tokens=task.max_new_tokens, seed=0), max_turns=task.max_turns, context_len=256)
-    pool = demo_pool(ep.rollout)
+    return demo_pool(ep.rollout)
+
+
+def fit_calc(model, tok, pool: list, steps: int, lr: float, batch_size: int = 32, every: int = 0, report=None):
+    """`steps` supervised steps of `batch_size` on pool, as warmup() fits (AdamW betas (0.9, 0.95), linear LR warm-up,
+    clipping at 1, seeded shuffled epochs); report(step, loss) every `every` steps. Returns the model, in eval mode."""
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / LR_WARMUP_STEPS))
+    order = torch.empty(0, dtype=torch.long)
+    model.train()
+    for step in range(1, steps + 1):
+        if len(order) < batch_size:
+            order = torch.randperm(len(pool), generator=gen)
+        batch, order = order[:batch_size], order[batch_size:]
+        ids, trained = _sft_batch(tok, [pool[i] for i in batch])
+        loss = F.cross_entropy(model(input_ids=ids).logits[:, :-1][trained], ids[:, 1:][trained])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        opt.step()
+        sched.step()
+        if report and (step % every == 0 or step == steps):
+            report(step, loss.item())
+    return model.eval()
+
+
+def tool_caller(model_dir: str, out_dir: str, steps: int = 200, lr: float = 1e-3, rows: int = 640) -> str:
+    """A tiny model that calls the calculator, for tests and examples of tool-episode tokens (not --task calc's model):
+    model_dir (the tiny addition model) after `steps` supervised steps of 32 on the first `rows` calc train rows'
+    demonstrations, always calling. It writes tool calls, most with a wrongly copied expression, and gets tool messages
+    back: in 42-43 of 48 sampled episodes at 1 or 2 threads (100 steps at lr 3e-3 gave 10 or 42 by thread count).
+    Seconds on a CPU; saved to and returns out_dir."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pool = calc_pool(tok, calc_task().train.to_list()[:rows], p_tool=1.0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     torch.manual_seed(0)
     for _ in range(steps):
@@ -263,6 +296,37 @@ def tool_caller(model_dir: str, out_dir: str, steps: int = 200, lr: float = 1e-3
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
+
+
+def calc_stats(model, tok, rows: list) -> dict:
+    """On calc rows, sampled (temperature 1) and greedy: the share of episodes that call the calculator, the success
+    rate, and the success rate of the episodes that call it."""
+    task = calc_task()
+    env = tools.tool_env(task.env, max_turns=task.max_turns, task=task)
+    engine, stops = EmbeddedEngine(model, dtype="fp32"), tools.stop_ids(tok, env)
+    out = {}
+    for kind, s in (("sampled", Sampling(max_new_tokens=task.max_new_tokens, seed=3, stop_token_ids=stops)),
+                    ("greedy", Sampling(top_k=1, max_new_tokens=task.max_new_tokens, stop_token_ids=stops))):
+        ep = agent.run_episodes(engine, tok, env, rows, s, max_turns=task.max_turns, context_len=tok.model_max_length)
+        used = [i for i, st in enumerate(ep.tool_stats) if st["calls"]]
+        out.update({f"{kind}_calls": len(used) / len(rows), f"{kind}_success": ep.returns.mean().item(),
+                    f"{kind}_success_given_call": sum(ep.returns[i].item() for i in used) / max(1, len(used))})
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def calc_warmup(model_dir: str, out_dir: str, phases, batch_size: int, n_eval: int, rows: int, **_) -> dict:
+    """--task calc's warm-up: from model_dir, fit_calc for each (p_tool, steps, lr) of phases in turn, on the
+    demonstrations of the `rows` train rows after the first n_eval (the validation slice, never trained on); then
+    calc_stats on that slice. Saves to out_dir."""
+    start = time.perf_counter()
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    train = calc_task().train.to_list()
+    for p_tool, steps, lr in phases:
+        fit_calc(model, tok, calc_pool(tok, train[n_eval : n_eval + rows], p_tool), steps, lr, batch_size)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return {"steps": sum(p[1] for p in phases), **calc_stats(model, tok, train[:n_eval]), "seconds": round(time.perf_counter() - start, 1)}
 
 
 def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4, max_steps: int = 600,
@@ -378,7 +442,7 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
     if os.path.isfile(os.path.join(path, "warmup.json")):
         return path
     os.makedirs(cache_dir, exist_ok=True)
-    print(f"building the default tiny {arch} {task} model (1-3 minutes on CPU; MoE longer) into {path}", flush=True)
+    print(f"building the default tiny {arch} {task} model (1-3 minutes on CPU; MoE and calc longer) into {path}", flush=True)
     tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".building-")
     os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache should read like any folder
     bars = transformers.utils.logging.is_progress_bar_enabled()
@@ -386,12 +450,15 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
     threads = torch.get_num_threads()
     torch.set_num_threads(BUILD_THREADS)
     try:
-        build_tiny_model(tmp, seed=seed, arch=arch)
-        stats = warmup(tmp, tmp, TASKS[task](), **DEFAULT_WARMUP[task], seed=seed)
+        if "init" in DEFAULT_WARMUP[task]:  # calc: from the addition model (a MoE one is untied already)
+            stats = calc_warmup(default_model(cache_dir, seed, DEFAULT_WARMUP[task]["init"], arch), tmp, **DEFAULT_WARMUP[task])
+        else:
+            build_tiny_model(tmp, seed=seed, arch=arch)
+            stats = warmup(tmp, tmp, TASKS[task](), **DEFAULT_WARMUP[task], seed=seed)
+            if arch == "moe":
+                untie_head(tmp)
         stats["built_with"] = {"threads": BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__,
                                "cpu": cpu_name()}
-        if arch == "moe":
-            untie_head(tmp)
         with open(os.path.join(tmp, "warmup.json"), "w") as f:
             json.dump(stats, f, indent=1)
         try:

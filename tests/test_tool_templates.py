@@ -312,6 +312,23 @@ def calc_episodes(engine, tok, n=2):
     return agent.run_episodes(engine, tok, env, task.test.to_list()[:24], s, max_turns=task.max_turns, context_len=256), s
 
 
+def test_calc_demonstrations_call_at_their_rate_and_copy_exactly():
+    """--task calc's warm-up data (data.tiny.calc_pool): with p_tool 1 every demonstration calls the calculator on its
+    prompt and answers with the tool's result, the product; with p_tool 0 none calls it and each writes the product;
+    with 0.3 the share of calls is within 4 sd of 0.3. Only the model's turns are trained, never the tool's result."""
+    from data.tiny import calc_pool
+
+    tok, rows = build_tokenizer(), calc_task().train.to_list()[:300]
+    for p_tool in (1.0, 0.0):
+        for (ids, trained), row in zip(calc_pool(tok, rows[:20], p_tool), rows):
+            text, model_text = tok.decode(ids), tok.decode([t for t, m in zip(ids, trained) if m])
+            call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{row["prompt"]}"}}}}</tool_call>'
+            assert (call in model_text) == (p_tool == 1.0) and model_text.endswith(row["answer"] + "<|im_end|>")
+            assert model_text.count(row["answer"]) == 1 and text.count(row["answer"]) == 1 + (p_tool == 1.0)  # the tool's message, untrained
+    calls = sum("<tool_call>" in tok.decode(ids) for ids, _ in calc_pool(tok, rows, 0.3))
+    assert abs(calls / len(rows) - 0.3) < 4 * (0.3 * 0.7 / len(rows)) ** 0.5
+
+
 def test_tool_episodes_recompute_equals_the_engine(tool_caller_dir):
     """--task calc's tool environment on a tiny model that calls the calculator (tool_caller_dir), fp32 embedded engine:
     the rows hold tool tokens, and the trainer's recompute over to_batch equals the engine's log-probs on every model
