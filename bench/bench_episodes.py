@@ -5,7 +5,7 @@ the prefix cache (EmbeddedEngine prefix_cache: a turn prefills only its new toke
 
 Models: the tiny default models of `--task guess` and `--task calc` (data.tiny.default_model, built on first use), and
 for calc-caller (--task calc's tool environment) the tiny addition model fitted to call the calculator in most episodes
-(data.tiny.tool_caller, fitted in a temporary folder; the calc model calls it in few); rows: the first --episodes train rows; the task's turns and new tokens per turn (guess: 6 turns of 8 tokens; calc:
+(data.tiny.tool_caller, fitted in a temporary folder; the calc model calls it in about a quarter of sampled episodes); rows: the first --episodes train rows; the task's turns and new tokens per turn (guess: 6 turns of 8 tokens; calc:
 its tool environment, 3 turns of 96), temperature 1. One generate call per turn over the live episodes. Each figure is
 the best of --repeats timed runs after one warm-up; "cpu" is process time (robust to other jobs), "wall" elapsed time;
 "prefilled" the prompt tokens the engine ran through its prefill (EmbeddedEngine.prefill_tokens) per run.
