@@ -9,7 +9,7 @@ that call the calculator, sampled success, success given a call, and greedy succ
     .venv/bin/python bench/calc_design.py --init addition --p-tool 1 --steps 1000 --every 250 --lr 1e-3 --batch 32 --save A
     .venv/bin/python bench/calc_design.py --init A --p-tool 0.3 --steps 200 --every 50 --lr 2e-4 --batch 32   # the default's 2nd phase
 
-A warm-up here is data/tiny.py's fit_calc (lr --lr with 30 warm-up steps, clipping at 1, batch --batch) on 8,000
+A warm-up here is data/tiny.py's sft (lr --lr with 30 warm-up steps, clipping at 1, batch --batch) on 8,000
 demonstrations played by the driver (data/tiny.py's calc_pool), --threads torch threads.
 """
 
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import data.calc as calc  # noqa: E402
 from data.tasks import calc_task  # noqa: E402
-from data.tiny import build_tiny_model, calc_pool, calc_stats, default_model, fit_calc  # noqa: E402
+from data.tiny import build_tiny_model, calc_pool, calc_stats, default_model, sft  # noqa: E402
 
 
 def main():
@@ -49,14 +49,18 @@ def main():
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
         print(calc_stats(model, tok, val))
         return
-    path = {"addition": lambda: default_model(task="addition"), "random": lambda: build_tiny_model(f"/tmp/calc_design_{os.getpid()}", seed=0)
-            }.get(args.init, lambda: args.init)()
+    if args.init == "addition":
+        path = default_model(task="addition")
+    elif args.init == "random":
+        path = build_tiny_model(f"/tmp/calc_design_{os.getpid()}", seed=0)
+    else:
+        path = args.init
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     t0 = time.time()
     pool = calc_pool(tok, rows[256 : 256 + 8000], args.p_tool)
     report = lambda step, loss: print(f"step {step}: loss {loss:.3f} {calc_stats(model, tok, val)} ({time.time() - t0:.0f} s)", flush=True)  # noqa: E731
-    fit_calc(model, tok, pool, args.steps, args.lr, args.batch, args.every, report)
+    sft(model, tok, pool, args.steps, args.lr, args.batch, every=args.every, report=report)
     if args.save:
         model.save_pretrained(args.save)
         tok.save_pretrained(args.save)

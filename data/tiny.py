@@ -251,28 +251,36 @@ def calc_pool(tok, rows: list, p_tool: float) -> list:
     return demo_pool(ep.rollout)
 
 
-def fit_calc(model, tok, pool: list, steps: int, lr: float, batch_size: int = 32, every: int = 0, report=None):
-    """`steps` supervised steps of `batch_size` on pool, as warmup() fits (AdamW betas (0.9, 0.95), linear LR warm-up,
-    clipping at 1, seeded shuffled epochs); report(step, loss) every `every` steps. Returns the model, in eval mode."""
-    gen = torch.Generator().manual_seed(0)
+def sft(model, tok, pool: list, steps: int, lr: float, batch_size: int, seed: int = 0, every: int = 0, report=None) -> int:
+    """Supervised steps on pool's (ids, trained) examples: mean cross-entropy over the trained tokens, AdamW (betas
+    (0.9, 0.95), no weight decay), a linear LR warm-up and clipping at 1, batches from seeded shuffled epochs (the tail of
+    each dropped). Every `every` steps and at the last, report(step, loss) in eval mode; a report that returns True
+    stops the fit. Returns the steps taken; the model is left in eval mode."""
+    gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # Linear LR warm-up + gradient clipping: without them lr 3e-3 spikes early and the digits after
+    # the first stay at chance for 500+ steps; with them addition passes 40% in ~300 steps.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / LR_WARMUP_STEPS))
     order = torch.empty(0, dtype=torch.long)
-    model.train()
     for step in range(1, steps + 1):
+        model.train()
         if len(order) < batch_size:
             order = torch.randperm(len(pool), generator=gen)
         batch, order = order[:batch_size], order[batch_size:]
         ids, trained = _sft_batch(tok, [pool[i] for i in batch])
-        loss = F.cross_entropy(model(input_ids=ids).logits[:, :-1][trained], ids[:, 1:][trained])
+        logits = model(input_ids=ids).logits[:, :-1]  # right padding: no attention mask needed for the loss
+        loss = F.cross_entropy(logits[trained], ids[:, 1:][trained])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         opt.step()
         sched.step()
         if report and (step % every == 0 or step == steps):
-            report(step, loss.item())
-    return model.eval()
+            model.eval()
+            if report(step, loss.item()):
+                return step
+    model.eval()
+    return steps
 
 
 def tool_caller(model_dir: str, out_dir: str, steps: int = 200, lr: float = 1e-3, rows: int = 640) -> str:
@@ -315,7 +323,7 @@ def calc_stats(model, tok, rows: list) -> dict:
 
 
 def calc_warmup(model_dir: str, out_dir: str, phases, batch_size: int, n_eval: int, rows: int, **_) -> dict:
-    """--task calc's warm-up: from model_dir, fit_calc for each (p_tool, steps, lr) of phases in turn, on the
+    """--task calc's warm-up: from model_dir, sft for each (p_tool, steps, lr) of phases in turn, on the
     demonstrations of the `rows` train rows after the first n_eval (the validation slice, never trained on); then
     calc_stats on that slice. Saves to out_dir."""
     start = time.perf_counter()
@@ -323,7 +331,7 @@ def calc_warmup(model_dir: str, out_dir: str, phases, batch_size: int, n_eval: i
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     train = calc_task().train.to_list()
     for p_tool, steps, lr in phases:
-        fit_calc(model, tok, calc_pool(tok, train[n_eval : n_eval + rows], p_tool), steps, lr, batch_size)
+        sft(model, tok, calc_pool(tok, train[n_eval : n_eval + rows], p_tool), steps, lr, batch_size)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return {"steps": sum(p[1] for p in phases), **calc_stats(model, tok, train[:n_eval]), "seconds": round(time.perf_counter() - start, 1)}
@@ -359,38 +367,16 @@ def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4,
             completions = greedy_completions(model, tok, val["prompt"], task.max_new_tokens)
             return sum(task.reward_fn(completions, prompts=val["prompt"], answer=val["answer"])) / n_eval
 
-    def accuracy() -> float:
-        model.eval()
-        acc = accuracy_of(model)
-        model.train()
-        return acc
-
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    # Linear LR warm-up + gradient clipping: without them lr 3e-3 spikes early and the digits after
-    # the first stay at chance for 500+ steps; with them addition passes 40% in ~300 steps.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / LR_WARMUP_STEPS))
-    model.train()
-    order, step = torch.empty(0, dtype=torch.long), 0
-    acc = accuracy()  # a model that already meets the target is saved as is
+    acc = accuracy_of(model.eval())  # a model that already meets the target is saved as is
     history = [{"step": 0, "loss": None, "accuracy": acc}]
-    while step < max_steps and acc < target_acc:
-        if len(order) < batch_size:  # new epoch; the tail of the last one is dropped
-            order = torch.randperm(len(pool), generator=gen)
-        batch, order = order[:batch_size], order[batch_size:]
-        ids, loss_mask = _sft_batch(tok, [pool[i] for i in batch])
-        logits = model(input_ids=ids).logits[:, :-1]  # right padding: no attention mask needed for the loss
-        loss = F.cross_entropy(logits[loss_mask], ids[:, 1:][loss_mask])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        opt.step()
-        sched.step()
-        step += 1
-        if step % eval_every == 0 or step == max_steps:
-            acc = accuracy()
-            history.append({"step": step, "loss": round(loss.item(), 4), "accuracy": acc})
 
+    def evaluate(step, loss) -> bool:
+        nonlocal acc
+        acc = accuracy_of(model)
+        history.append({"step": step, "loss": round(loss, 4), "accuracy": acc})
+        return acc >= target_acc
+
+    step = sft(model, tok, pool, max_steps, lr, batch_size, seed, eval_every, evaluate) if acc < target_acc else 0
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return {"steps": step, "accuracy": acc, "seconds": round(time.perf_counter() - start, 1), "history": history}
