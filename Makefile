@@ -20,7 +20,7 @@ $(SGL_VENV)/.installed: scripts/install_sglang_cpu.sh scripts/sglang_cpu/constra
 	VENV=$(SGL_VENV) bash scripts/install_sglang_cpu.sh
 	touch $@
 
-.PHONY: venv sglang train test test-core test-sglang test-fast
+.PHONY: venv sglang train lint test test-core test-sglang test-fast
 venv: $(VENV)/.installed
 sglang: $(SGL_VENV)/.installed
 
@@ -36,7 +36,12 @@ REQUIRE := ICEPOP_REQUIRE_EXTRAS=1
 
 # The whole suite in .venv (newest transformers; the sglang tier deselected, .venv has no SGLang), then in the SGLang venv
 # (transformers pinned by SGLang) the sglang tier and the fast tier again: what depends on the transformers version.
-test: test-core test-sglang
+test: lint test-core test-sglang
+
+# The formatter and linter (ruff.toml: 120 columns; pyflakes and pycodestyle's statement errors, ruff's default set).
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 test-core: $(VENV)/.installed
 	$(REQUIRE) $(PY) -m pytest -q -m "not sglang"
@@ -46,5 +51,5 @@ test-sglang: $(SGL_VENV)/.installed | $(if $(filter test,$(MAKECMDGOALS)),test-c
 	$(REQUIRE) $(SGL_VENV)/bin/python -m pytest -q -m "sglang or ($(FAST))"
 
 # Unit tests only, for the edit-test loop: under a minute on 2 cores (the first run also builds the tiny default model).
-test-fast: $(VENV)/.installed
+test-fast: lint
 	$(PY) -m pytest -q -m "$(FAST)"

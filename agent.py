@@ -78,16 +78,23 @@ def load_env(spec: str):
     module, where, name = import_target(spec, "--env", "an environment", ENV_FORMS)
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
-        raise ValueError(f"--env {spec!r}: {where} has no class {name!r}" + ("" if cls is None else f" (it is a {type(cls).__name__})"))
+        raise ValueError(
+            f"--env {spec!r}: {where} has no class {name!r}"
+            + ("" if cls is None else f" (it is a {type(cls).__name__})")
+        )
     if is_skyrl_env(cls):  # skyrl-gym's BaseTextEnv form, played through its adapter
         return skyrl_env(cls)
     if not callable(getattr(cls, "reset", None)):
-        raise ValueError(f"--env {spec!r}: {name} has no reset method (a text environment needs reset(row) -> str and "
-                         "step(text) -> (observation or None, reward, done); a tool environment reset(**row) and its tools as methods; "
-                         "a skyrl-gym one init(prompt) and step(action))")
+        raise ValueError(
+            f"--env {spec!r}: {name} has no reset method (a text environment needs reset(row) -> str and "
+            "step(text) -> (observation or None, reward, done); a tool environment reset(**row) and its tools as methods; "
+            "a skyrl-gym one init(prompt) and step(action))"
+        )
     if is_tool_env(cls) and not tool_methods(cls):
-        raise ValueError(f"--env {spec!r}: {name} has no step method (a text environment needs step(text) -> (observation "
-                         "or None, reward, done)) and no public method to offer as a tool (a tool environment, docs/tools.md)")
+        raise ValueError(
+            f"--env {spec!r}: {name} has no step method (a text environment needs step(text) -> (observation "
+            "or None, reward, done)) and no public method to offer as a tool (a tool environment, docs/tools.md)"
+        )
     if is_tool_env(cls):  # TRL's environment_factory form: its tools are checked here (tools.tool_schemas)
         tool_schemas(cls, f"--env {spec!r}")
         checks = (("__init__", cls, ()),)
@@ -99,7 +106,11 @@ def load_env(spec: str):
         try:
             inspect.signature(call).bind(*args)
         except TypeError as e:
-            takes = "no arguments (one instance per episode)" if method == "__init__" else f"one argument ({method}({'row' if method == 'reset' else 'text'}))"
+            takes = (
+                "no arguments (one instance per episode)"
+                if method == "__init__"
+                else f"one argument ({method}({'row' if method == 'reset' else 'text'}))"
+            )
             raise ValueError(f"--env {spec!r}: {name}.{method} must take {takes}: {e}") from None
         except ValueError:  # a builtin without a signature: nothing to check
             pass
@@ -108,7 +119,11 @@ def load_env(spec: str):
 
 def is_skyrl_env(cls) -> bool:
     """skyrl-gym's text-environment form (skyrl_gym.envs.base_text_env.BaseTextEnv): init and step, no reset."""
-    return isinstance(cls, type) and all(callable(getattr(cls, m, None)) for m in ("init", "step")) and not callable(getattr(cls, "reset", None))
+    return (
+        isinstance(cls, type)
+        and all(callable(getattr(cls, m, None)) for m in ("init", "step"))
+        and not callable(getattr(cls, "reset", None))
+    )
 
 
 def skyrl_env(cls) -> type:
@@ -121,10 +136,19 @@ def skyrl_env(cls) -> type:
     class SkyRL:
         def reset(self, row: dict) -> str:
             info = {k: v for k, v in row.items() if k not in ("prompt", "where")}
-            self.env = cls(env_config={}, extras={**info, "reward_spec": {"method": "rule", "ground_truth": row.get("answer")}, "extra_info": info})
+            self.env = cls(
+                env_config={},
+                extras={
+                    **info,
+                    "reward_spec": {"method": "rule", "ground_truth": row.get("answer")},
+                    "extra_info": info,
+                },
+            )
             prompt, _ = self.env.init([{"role": "user", "content": row["prompt"]}])
             if not (isinstance(prompt, list) and len(prompt) == 1 and prompt[0].get("role") == "user"):
-                raise ValueError(f"{cls.__name__}.init returned {str(prompt)[:200]}; the adapter takes one user message (the first prompt)")
+                raise ValueError(
+                    f"{cls.__name__}.init returned {str(prompt)[:200]}; the adapter takes one user message (the first prompt)"
+                )
             return prompt[0]["content"]
 
         def step(self, text: str):
@@ -145,7 +169,9 @@ def _render(tok, messages, generation_prompt: bool, tools: list[dict] | None = N
     return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)
 
 
-def observation_ids(tok, message: str | list[dict], stop: str | None = None, tools: list[dict] | None = None) -> list[int]:
+def observation_ids(
+    tok, message: str | list[dict], stop: str | None = None, tools: list[dict] | None = None
+) -> list[int]:
     """Token ids that follow a model turn's stop token: the end of the assistant turn (what the template writes after
     the stop token, e.g. ChatML's newline), the next message(s), and the next assistant header. Taken from the chat
     template as a delta, with a placeholder for the model's turn, so no model text is encoded. message: a user
@@ -156,18 +182,24 @@ def observation_ids(tok, message: str | list[dict], stop: str | None = None, too
     tools: the schemas the first prompt was rendered with (a template may print them)."""
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SLOT}]
     before = _render(tok, base, False, tools)
-    after = _render(tok, base + ([{"role": "user", "content": message}] if isinstance(message, str) else list(message)), True, tools)
+    after = _render(
+        tok, base + ([{"role": "user", "content": message}] if isinstance(message, str) else list(message)), True, tools
+    )
     cut = before.index(_SLOT) + len(_SLOT)
     if not after.startswith(before[:cut]):
-        raise ValueError("observation_ids: the chat template renders earlier turns differently once a message follows "
-                         "them, so observation tokens cannot be taken as a delta")
+        raise ValueError(
+            "observation_ids: the chat template renders earlier turns differently once a message follows "
+            "them, so observation tokens cannot be taken as a delta"
+        )
     rest = after[cut:]
     ends = [t for t in (stop, tok.eos_token) if t]  # another stop token stands in for EOS
     end = next((t for t in ends if rest.startswith(t)), None)
     if end is None:
-        raise ValueError(f"observation_ids: the chat template does not end an assistant turn with {' or '.join(map(repr, ends))} "
-                         f"(it writes {rest[:20]!r}), the stop token the model's turn ended with")
-    return tok(rest[len(end):], add_special_tokens=False).input_ids
+        raise ValueError(
+            f"observation_ids: the chat template does not end an assistant turn with {' or '.join(map(repr, ends))} "
+            f"(it writes {rest[:20]!r}), the stop token the model's turn ended with"
+        )
+    return tok(rest[len(end) :], add_special_tokens=False).input_ids
 
 
 THINK_PROBE = "<think>\nprobe\n</think>\n\nanswer"  # an assistant turn as reasoning models write it
@@ -184,12 +216,16 @@ def check_chat_template(tok, tools: list[dict] | None = None) -> None:
     for later in ([{"role": "user", "content": "y"}], [{"role": "tool", "content": "y"}]):
         try:
             text = _render(tok, base + later, True, tools)
-        except Exception:  # a template without a tool role: a tool episode would fail at its first tool turn, named there
+        except (
+            Exception
+        ):  # a template without a tool role: a tool episode would fail at its first tool turn, named there
             continue
         if THINK_PROBE not in text:
-            raise ValueError(f"the chat template rewrites an earlier assistant turn once a {later[0]['role']} message follows it "
-                             f"(an assistant turn {THINK_PROBE!r} does not survive): multi-turn rows could not be the rendered "
-                             "conversation. Use a template that keeps earlier turns verbatim")
+            raise ValueError(
+                f"the chat template rewrites an earlier assistant turn once a {later[0]['role']} message follows it "
+                f"(an assistant turn {THINK_PROBE!r} does not survive): multi-turn rows could not be the rendered "
+                "conversation. Use a template that keeps earlier turns verbatim"
+            )
     _CHECKED.add(key)
 
 
@@ -204,7 +240,10 @@ def summary_prompt(tok, first: str, summary_ids: list[int]) -> list[int]:
     sampled ids (without their stop token), spliced into the rendered template."""
     text = _render(tok, [{"role": "user", "content": first + SUMMARY_JOIN + _SLOT}], True)
     head, tail = text.split(_SLOT)
-    enc = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+
+    def enc(s):
+        return tok(s, add_special_tokens=False).input_ids
+
     return enc(head) + list(summary_ids) + enc(tail)
 
 
@@ -235,7 +274,9 @@ class Start:
     env: object  # the environment at the state: run_episodes(snapshots=True) deep-copies it; starts= plays it itself
     where: str  # the episode it comes from, for errors
     prompt: list[int]
-    tokens: list[int]  # the row's response so far, model and observation tokens; the state is response column len(tokens)
+    tokens: list[
+        int
+    ]  # the row's response so far, model and observation tokens; the state is response column len(tokens)
     model: list[bool]  # per token of tokens: a model token
     turns: int  # turns played before the state
     ret: float  # rewards collected before the state
@@ -290,22 +331,33 @@ class Episodes:
 
 
 def _check_step(out, env, turn: str, text: str):
-    name, short = type(env).__name__, lambda x: repr(x)[:200]  # noqa: E731
+    name, short = type(env).__name__, lambda x: repr(x)[:200]
     if not (isinstance(out, tuple) and len(out) == 3):
-        raise RuntimeError(f"environment {name}.step returned {short(out)} on {turn} (model text {text!r}); it must return "
-                           "(observation: str or None, reward: float, done: bool)")
+        raise RuntimeError(
+            f"environment {name}.step returned {short(out)} on {turn} (model text {text!r}); it must return "
+            "(observation: str or None, reward: float, done: bool)"
+        )
     obs, reward, done = out
     if not isinstance(done, bool):
         raise RuntimeError(f"environment {name}.step returned done={short(done)} on {turn}; done must be a bool")
     if not (isinstance(reward, numbers.Real) and not isinstance(reward, bool) and math.isfinite(reward)):
-        raise RuntimeError(f"environment {name}.step returned reward {short(reward)} on {turn} (model text {text!r}); "
-                           "rewards must be finite numbers")
-    messages = isinstance(obs, list) and obs and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                                                    for m in obs)
+        raise RuntimeError(
+            f"environment {name}.step returned reward {short(reward)} on {turn} (model text {text!r}); "
+            "rewards must be finite numbers"
+        )
+    messages = (
+        isinstance(obs, list)
+        and obs
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in obs
+        )
+    )
     if not (isinstance(obs, str) or messages or (obs is None and done)):
-        raise RuntimeError(f"environment {name}.step returned observation {short(obs)} with done={done} on {turn}; an "
-                           "observation must be a str or a non-empty list of chat messages ({'role': str, 'content': str}; "
-                           "None only when done)")
+        raise RuntimeError(
+            f"environment {name}.step returned observation {short(obs)} with done={done} on {turn}; an "
+            "observation must be a str or a non-empty list of chat messages ({'role': str, 'content': str}; "
+            "None only when done)"
+        )
     return obs, float(reward), done
 
 
@@ -316,9 +368,20 @@ def _longest_token(tok) -> int:
     return max(map(len, tok.get_vocab()))
 
 
-def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, max_turns: int, context_len: int,
-                 compact_at: int = 0, timeout: float = DEFAULT_USER_TIMEOUT, snapshots: bool = False,
-                 starts: list[Start] | None = None) -> Episodes:
+def run_episodes(
+    engine,
+    tok,
+    env_cls,
+    rows: list[dict],
+    sampling: Sampling,
+    *,
+    max_turns: int,
+    context_len: int,
+    compact_at: int = 0,
+    timeout: float = DEFAULT_USER_TIMEOUT,
+    snapshots: bool = False,
+    starts: list[Start] | None = None,
+) -> Episodes:
     """Play sampling.n episodes per task row with `engine` (any rollout.Engine: one generate call per turn over the live
     episodes). Episode e (row e // n, sample e % n) makes its c-th engine call with seed
     (sampling.seed + e) * 1024 + c, so an episode's draws do not depend on the other episodes in the call, and a batch
@@ -361,34 +424,77 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
     for i, st in enumerate(starts or ()):
         where = f"a continuation (number {i}) of {st.where}"
         if not callable(getattr(st.env, "reseed", None)):
-            raise ValueError(f"{name} has no reseed(seed): a continuation plays on a copy of the environment and must draw "
-                             "its own randomness afresh; define reseed (a no-op if it has no randomness of its own)")
+            raise ValueError(
+                f"{name} has no reseed(seed): a continuation plays on a copy of the environment and must draw "
+                "its own randomness afresh; define reseed (a no-op if it has no randomness of its own)"
+            )
         user(".reseed", st.env.reseed, (st.seed + _CALLS_PER_EPISODE - 1,), where)
-        eps.append(_Episode(i, st.env, "", where, [_Row(list(st.prompt), list(st.tokens), list(st.model), [0.0] * len(st.tokens),
-                                                          [0.0] * len(st.tokens))], [], st.seed, st.turns, ret=st.ret))
+        eps.append(
+            _Episode(
+                i,
+                st.env,
+                "",
+                where,
+                [
+                    _Row(
+                        list(st.prompt), list(st.tokens), list(st.model), [0.0] * len(st.tokens), [0.0] * len(st.tokens)
+                    )
+                ],
+                [],
+                st.seed,
+                st.turns,
+                ret=st.ret,
+            )
+        )
     for i, row in enumerate(rows if starts is None else ()):
         for j in range(sampling.n):
             origin = row.get("where") or f"prompt {str(row.get('prompt'))[:60]!r}"
             where = f"episode {len(eps)} (row {i}: {origin}; sample {j})"
             env = user("()", env_cls, (), where)
-            seed = (sampling.seed + len(eps)) * _CALLS_PER_EPISODE % 2**31  # + c < 1024: below 2^31, as (... + c) mod 2^31
+            seed = (
+                (sampling.seed + len(eps)) * _CALLS_PER_EPISODE % 2**31
+            )  # + c < 1024: below 2^31, as (... + c) mod 2^31
             if callable(getattr(env, "reseed", None)):
                 user(".reseed", env.reseed, (seed + _CALLS_PER_EPISODE - 1,), where)
             first = user(".reset", env.reset, (copy.deepcopy(row),), where)
             if not isinstance(first, str) or not first:
-                raise RuntimeError(f"{name}.reset returned {first!r} on {where}; it must return the first user message "
-                                   "(a non-empty str)")
-            hidden = user(".critic_context", env.critic_context, (), where) if callable(getattr(env, "critic_context", None)) else None
+                raise RuntimeError(
+                    f"{name}.reset returned {first!r} on {where}; it must return the first user message "
+                    "(a non-empty str)"
+                )
+            hidden = (
+                user(".critic_context", env.critic_context, (), where)
+                if callable(getattr(env, "critic_context", None))
+                else None
+            )
             if hidden is not None and not isinstance(hidden, str):
                 raise RuntimeError(f"{name}.critic_context returned {hidden!r} on {where}; it must return a str")
             room = context_len - N
-            prompt = [] if len(first) > room * _longest_token(tok) else render(first_prompt_ids, first, tools, where=where)
+            prompt = (
+                [] if len(first) > room * _longest_token(tok) else render(first_prompt_ids, first, tools, where=where)
+            )
             if not prompt or len(prompt) > room:
-                raise ValueError(f"run_episodes: the first message of {name}.reset on {where} is "
-                                 f"{f'{len(prompt)} tokens' if prompt else f'{len(first)} characters'}; with --max-new-tokens "
-                                 f"{N} it does not fit in the context ({context_len})")
-            eps.append(_Episode(len(eps), env, first, where, [_Row(prompt)], [{"role": "user", "content": first}], seed, hidden=hidden))
-    request = lambda e: getattr(e.env, "summary_request", SUMMARY_REQUEST)  # noqa: E731
+                raise ValueError(
+                    f"run_episodes: the first message of {name}.reset on {where} is "
+                    f"{f'{len(prompt)} tokens' if prompt else f'{len(first)} characters'}; with --max-new-tokens "
+                    f"{N} it does not fit in the context ({context_len})"
+                )
+            eps.append(
+                _Episode(
+                    len(eps),
+                    env,
+                    first,
+                    where,
+                    [_Row(prompt)],
+                    [{"role": "user", "content": first}],
+                    seed,
+                    hidden=hidden,
+                )
+            )
+
+    def request(e):
+        return getattr(e.env, "summary_request", SUMMARY_REQUEST)
+
     starts_of: dict[int, list[Start]] = {}
     while True:
         live = []
@@ -405,9 +511,13 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             try:
                 env = copy.deepcopy(e.env)
             except Exception as err:
-                raise RuntimeError(f"{name} cannot be copied (copy.deepcopy) on turn {e.turns + 1} of {e.where}, which "
-                                   f"--algo vine needs to play continuations from the state: {err!r}") from err
-            starts_of.setdefault(e.k, []).append(Start(env, e.where, list(r.prompt), list(r.tokens), list(r.model), e.turns, e.ret))
+                raise RuntimeError(
+                    f"{name} cannot be copied (copy.deepcopy) on turn {e.turns + 1} of {e.where}, which "
+                    f"--algo vine needs to play continuations from the state: {err!r}"
+                ) from err
+            starts_of.setdefault(e.k, []).append(
+                Start(env, e.where, list(r.prompt), list(r.tokens), list(r.model), e.turns, e.ret)
+            )
         ro = engine.generate([e.rows[-1].prompt + e.rows[-1].tokens for e in live], replace(sampling, n=1, seeds=seeds))
         for i, e in enumerate(live):
             row, m = e.rows[-1], ro.mask[i]
@@ -417,14 +527,18 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             if ro.finish_reasons[i] != "stop":
                 e.finish = "turn_length"
                 continue
-            text = tok.decode(ids, skip_special_tokens=True) if tools is None else tok.decode(ids[:-1])  # tool markup may be special
+            text = (
+                tok.decode(ids, skip_special_tokens=True) if tools is None else tok.decode(ids[:-1])
+            )  # tool markup may be special
             e.messages.append({"role": "assistant", "content": text})
             if e.summarising:  # this turn was the summary: the row ends, the episode goes on from the task + summary
                 row.finish, e.summarising = "compact", False
                 e.rows.append(_Row(summary_prompt(tok, e.first, ids[:-1])))
                 continue
             turn = f"turn {e.turns + 1} of {e.where}"
-            obs, reward, done = _check_step(user(".step", e.env.step, (text,), f"{turn} (model text {text!r})"), e.env, turn, text)
+            obs, reward, done = _check_step(
+                user(".step", e.env.step, (text,), f"{turn} (model text {text!r})"), e.env, turn, text
+            )
             row.rewards[-1] += reward
             row.turns += 1
             e.turns += 1
@@ -432,18 +546,29 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             if done or e.turns == max_turns:
                 e.finish = "done" if done else "turns"
                 continue
-            used, size = len(row.prompt) + len(row.tokens), len(obs) if isinstance(obs, str) else sum(len(m["content"]) for m in obs)
+            used, size = (
+                len(row.prompt) + len(row.tokens),
+                len(obs) if isinstance(obs, str) else sum(len(m["content"]) for m in obs),
+            )
             stop = None if ids[-1] == tok.eos_token_id else tok.convert_ids_to_tokens(ids[-1])
-            obs_ids = None if size > (context_len - used) * _longest_token(tok) else render(observation_ids, obs, stop, tools, where=turn)
+            obs_ids = (
+                None
+                if size > (context_len - used) * _longest_token(tok)
+                else render(observation_ids, obs, stop, tools, where=turn)
+            )
             if obs_ids is not None and compact_at and used + len(obs_ids) > compact_at:
                 obs = f"{obs}\n\n{request(e)}"
                 obs_ids, e.summarising = render(observation_ids, obs, where=turn), True
-            if obs_ids is None or used + len(obs_ids) > context_len:  # appended, it would make a row longer than the context
+            if (
+                obs_ids is None or used + len(obs_ids) > context_len
+            ):  # appended, it would make a row longer than the context
                 if name not in _WARNED:  # once per environment: the rest show in rollout/finish_context_frac
                     _WARNED.add(name)
-                    warnings.warn(f"{name}.step returned a {size:,}-character observation on {turn}, longer than the "
-                                  f"{context_len - used} tokens of context left: the episode ends ('context'), as do later "
-                                  "ones (rollout/finish_context_frac)")
+                    warnings.warn(
+                        f"{name}.step returned a {size:,}-character observation on {turn}, longer than the "
+                        f"{context_len - used} tokens of context left: the episode ends ('context'), as do later "
+                        "ones (rollout/finish_context_frac)"
+                    )
                 e.finish, e.summarising = "context", False
                 continue
             e.messages += [{"role": "user", "content": obs}] if isinstance(obs, str) else copy.deepcopy(obs)
@@ -461,14 +586,28 @@ def run_episodes(engine, tok, env_cls, rows: list[dict], sampling: Sampling, *, 
             later += own
         out += [(k, r) for r in rs]
     rows = [r for _, r in out]
-    ro = Rollout.from_ragged([r.tokens for r in rows], [r.prompt for r in rows], [r.finish for r in rows],
-                             infer_logp=[r.logp for r in rows], model=[r.model for r in rows])
+    ro = Rollout.from_ragged(
+        [r.tokens for r in rows],
+        [r.prompt for r in rows],
+        [r.finish for r in rows],
+        infer_logp=[r.logp for r in rows],
+        model=[r.model for r in rows],
+    )
     rewards = torch.zeros(ro.tokens.shape)
     for b, r in enumerate(rows):
         rewards[b, : len(r.rewards)] = torch.tensor(r.rewards)
-    return Episodes(ro, rewards, torch.tensor([e.ret for e in eps]), [k for k, _ in out], [e.turns for e in eps],
-                    [e.finish for e in eps], [e.messages for e in eps], [e.hidden for e in eps],
-                    [starts_of.get(e.k, []) for e in eps] if snapshots else [], [dict(e.env.stats) for e in eps] if tools is not None else [])
+    return Episodes(
+        ro,
+        rewards,
+        torch.tensor([e.ret for e in eps]),
+        [k for k, _ in out],
+        [e.turns for e in eps],
+        [e.finish for e in eps],
+        [e.messages for e in eps],
+        [e.hidden for e in eps],
+        [starts_of.get(e.k, []) for e in eps] if snapshots else [],
+        [dict(e.env.stats) for e in eps] if tools is not None else [],
+    )
 
 
 def episode_metrics(ep: Episodes) -> dict[str, float]:
@@ -478,13 +617,26 @@ def episode_metrics(ep: Episodes) -> dict[str, float]:
     tool/seconds (in tools, this batch), tool/task_reward and tool/env_reward (the two parts of the return, per
     episode) and tool/turn_limit_frac (episodes cut by the turn budget while calling tools)."""
     ro, E = ep.rollout, len(ep.turns)
-    out = {"rollout/turns_mean": sum(ep.turns) / E, "rollout/rows_per_episode": len(ep.episode) / E,
-           "rollout/obs_token_frac": float((ro.attend & ~ro.mask).sum() / ro.attend.sum().clamp_min(1))}
+    out = {
+        "rollout/turns_mean": sum(ep.turns) / E,
+        "rollout/rows_per_episode": len(ep.episode) / E,
+        "rollout/obs_token_frac": float((ro.attend & ~ro.mask).sum() / ro.attend.sum().clamp_min(1)),
+    }
     out.update({f"rollout/finish_{k}_frac": sum(f == k for f in ep.finish) / E for k in FINISH_REASONS})
     if st := ep.tool_stats:  # a tool environment
-        total = lambda k: sum(x[k] for x in st)  # noqa: E731
-        out.update({"tool/calls_per_episode": total("calls") / E, "tool/error_frac": total("errors") / max(total("calls"), 1),
-                    "tool/use_frac": sum(x["calls"] > 0 for x in st) / E, "tool/seconds": total("seconds"),
-                    "tool/task_reward": total("task_reward") / E, "tool/env_reward": total("env_reward") / E,
-                    "tool/turn_limit_frac": total("turn_limit") / E})
+
+        def total(k):
+            return sum(x[k] for x in st)
+
+        out.update(
+            {
+                "tool/calls_per_episode": total("calls") / E,
+                "tool/error_frac": total("errors") / max(total("calls"), 1),
+                "tool/use_frac": sum(x["calls"] > 0 for x in st) / E,
+                "tool/seconds": total("seconds"),
+                "tool/task_reward": total("task_reward") / E,
+                "tool/env_reward": total("env_reward") / E,
+                "tool/turn_limit_frac": total("turn_limit") / E,
+            }
+        )
     return out

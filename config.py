@@ -246,18 +246,26 @@ def resolve(cfg: Config, world_size: int) -> dict:
         if cfg.vine_k < 1 or cfg.vine_every < 1:
             errors.append(f"--vine-k and --vine-every must be >= 1, got {cfg.vine_k} and {cfg.vine_every}")
         if cfg.vine_every != 1 and _multi_turn(cfg):
-            errors.append(f"--vine-every {cfg.vine_every} with a multi-turn task: its states are the starts of the model turns "
-                          "(states inside a turn are not implemented); leave --vine-every 1")
+            errors.append(
+                f"--vine-every {cfg.vine_every} with a multi-turn task: its states are the starts of the model turns "
+                "(states inside a turn are not implemented); leave --vine-every 1"
+            )
         if cfg.gamma != 1:
             errors.append(f"--algo vine takes --gamma 1 (its values are undiscounted mean rewards), got {cfg.gamma}")
         if cfg.kl == "k1-reward":
-            errors.append("--kl k1-reward with --algo vine is refused: the Monte Carlo values would have to include the KL "
-                          "penalty of every continuation token; use --kl k3-loss (a loss term) or --algo ppo")
+            errors.append(
+                "--kl k1-reward with --algo vine is refused: the Monte Carlo values would have to include the KL "
+                "penalty of every continuation token; use --kl k3-loss (a loss term) or --algo ppo"
+            )
         if cfg.compact_at:
-            errors.append("--compact-at with --algo vine is not supported (a continuation would have to replay compaction); "
-                          "leave --compact-at 0")
+            errors.append(
+                "--compact-at with --algo vine is not supported (a continuation would have to replay compaction); "
+                "leave --compact-at 0"
+            )
     if cfg.rollout_batch % (n * dp):
-        errors.append(f"--rollout-batch {cfg.rollout_batch} must split into groups of {n} samples over {dp} data-parallel ranks")
+        errors.append(
+            f"--rollout-batch {cfg.rollout_batch} must split into groups of {n} samples over {dp} data-parallel ranks"
+        )
     rows = cfg.rollout_batch // dp
     if rows % cfg.minibatches or rows < cfg.minibatches:
         errors.append(f"{rows} rows per rank do not split into --minibatches {cfg.minibatches}")
@@ -270,35 +278,71 @@ def resolve(cfg: Config, world_size: int) -> dict:
     if cfg.critic_context != "policy" and cfg.algo != "ppo":
         errors.append(f"--critic-context {cfg.critic_context} needs a critic: --algo {cfg.algo} has none")
     if cfg.critic_context == "env" and not _multi_turn(cfg):
-        errors.append("--critic-context env needs a multi-turn task (--env, or --task guess): its environment's critic_context()")
+        errors.append(
+            "--critic-context env needs a multi-turn task (--env, or --task guess): its environment's critic_context()"
+        )
     if cfg.baseline_window < 1:
         errors.append(f"--baseline-window must be >= 1, got {cfg.baseline_window}")
     if cfg.algo == "reinforce" and cfg.kl == "k1-reward":
-        errors.append("--kl k1-reward with --algo reinforce is refused: its advantage is the row's outcome reward minus a "
-                      "per-prompt mean, with no per-token rewards; use --kl k3-loss")
+        errors.append(
+            "--kl k1-reward with --algo reinforce is refused: its advantage is the row's outcome reward minus a "
+            "per-prompt mean, with no per-token rewards; use --kl k3-loss"
+        )
     if cfg.critic_pretrain < 0:
         errors.append(f"--critic-pretrain must be >= 0 (0 = off), got {cfg.critic_pretrain}")
-    for name in ("steps", "ppo_epochs", "minibatches", "micro_batch", "critic_updates", "eval_every", "save_every", "keep_checkpoints", "max_bad_steps",
-                 "eval_size", "eval_samples", "sync_every"):
+    for name in (
+        "steps",
+        "ppo_epochs",
+        "minibatches",
+        "micro_batch",
+        "critic_updates",
+        "eval_every",
+        "save_every",
+        "keep_checkpoints",
+        "max_bad_steps",
+        "eval_size",
+        "eval_samples",
+        "sync_every",
+    ):
         if getattr(cfg, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.sync_every > 1 and cfg.save_every % cfg.sync_every:  # a checkpoint between syncs would resume with fresher weights
-        errors.append(f"--save-every {cfg.save_every} must be a multiple of --sync-every {cfg.sync_every}: a resume loads the checkpoint's "
-                      "weights into the engine, which an uninterrupted run would not have until its next sync")
+    if (
+        cfg.sync_every > 1 and cfg.save_every % cfg.sync_every
+    ):  # a checkpoint between syncs would resume with fresher weights
+        errors.append(
+            f"--save-every {cfg.save_every} must be a multiple of --sync-every {cfg.sync_every}: a resume loads the checkpoint's "
+            "weights into the engine, which an uninterrupted run would not have until its next sync"
+        )
     if cfg.sync_every > 1 and cfg.eval_dtype == "engine" and cfg.eval_every % cfg.sync_every:
-        errors.append(f"--eval-every {cfg.eval_every} must be a multiple of --sync-every {cfg.sync_every} (the evaluation samples the rollout "
-                      "engine, whose weights would be stale), or evaluate an fp32 copy of the policy: --eval-dtype fp32")
+        errors.append(
+            f"--eval-every {cfg.eval_every} must be a multiple of --sync-every {cfg.sync_every} (the evaluation samples the rollout "
+            "engine, whose weights would be stale), or evaluate an fp32 copy of the policy: --eval-dtype fp32"
+        )
     if not 0 < cfg.clip_low < 1 or not 0 < cfg.clip_high:
         errors.append(f"--clip-low must be in (0, 1) and --clip-high > 0, got {cfg.clip_low} and {cfg.clip_high}")
-    ranges = {"lr": (cfg.lr, cfg.lr > 0, "> 0"), "critic-lr": (cfg.critic_lr, cfg.critic_lr >= 0, ">= 0 (0 = 5 x --lr)"),
-              "max-grad-norm": (cfg.max_grad_norm, cfg.max_grad_norm > 0, "> 0 (0 would zero every update)"), "gamma": (cfg.gamma, 0 < cfg.gamma <= 1, "in (0, 1]"), "lam-policy": (cfg.lam_policy, 0 <= cfg.lam_policy <= 1, "in [0, 1]"),
-              "lam-critic": (cfg.lam_critic, 0 <= cfg.lam_critic <= 1, "in [0, 1]"), "adaptive-lambda": (cfg.adaptive_lambda, cfg.adaptive_lambda >= 0, ">= 0"),
-              "kl-coef": (cfg.kl_coef, cfg.kl_coef >= 0, ">= 0"), "tis-cap": (cfg.tis_cap, cfg.tis_cap > 0, "> 0"),
-              "value-clip": (cfg.value_clip, cfg.value_clip >= 0, ">= 0 (0 = off)"), "value-scale": (cfg.value_scale, cfg.value_scale > 0, "> 0"),
-              "user-timeout": (cfg.user_timeout, cfg.user_timeout >= 0, ">= 0 (seconds; 0 = no limit)")}
-    errors += [f"--{flag} must be a finite number {want}, got {v}" for flag, (v, ok, want) in ranges.items() if not (ok and math.isfinite(v))]
+    ranges = {
+        "lr": (cfg.lr, cfg.lr > 0, "> 0"),
+        "critic-lr": (cfg.critic_lr, cfg.critic_lr >= 0, ">= 0 (0 = 5 x --lr)"),
+        "max-grad-norm": (cfg.max_grad_norm, cfg.max_grad_norm > 0, "> 0 (0 would zero every update)"),
+        "gamma": (cfg.gamma, 0 < cfg.gamma <= 1, "in (0, 1]"),
+        "lam-policy": (cfg.lam_policy, 0 <= cfg.lam_policy <= 1, "in [0, 1]"),
+        "lam-critic": (cfg.lam_critic, 0 <= cfg.lam_critic <= 1, "in [0, 1]"),
+        "adaptive-lambda": (cfg.adaptive_lambda, cfg.adaptive_lambda >= 0, ">= 0"),
+        "kl-coef": (cfg.kl_coef, cfg.kl_coef >= 0, ">= 0"),
+        "tis-cap": (cfg.tis_cap, cfg.tis_cap > 0, "> 0"),
+        "value-clip": (cfg.value_clip, cfg.value_clip >= 0, ">= 0 (0 = off)"),
+        "value-scale": (cfg.value_scale, cfg.value_scale > 0, "> 0"),
+        "user-timeout": (cfg.user_timeout, cfg.user_timeout >= 0, ">= 0 (seconds; 0 = no limit)"),
+    }
+    errors += [
+        f"--{flag} must be a finite number {want}, got {v}"
+        for flag, (v, ok, want) in ranges.items()
+        if not (ok and math.isfinite(v))
+    ]
     if cfg.n_samples < 0 or cfg.max_new_tokens < 0:
-        errors.append(f"--n-samples and --max-new-tokens must be >= 0 (0 = the default), got {cfg.n_samples} and {cfg.max_new_tokens}")
+        errors.append(
+            f"--n-samples and --max-new-tokens must be >= 0 (0 = the default), got {cfg.n_samples} and {cfg.max_new_tokens}"
+        )
     try:  # the sampling values the engines check, here before any work, named by their flags
         Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or 1, (), max(n, 1), cfg.seed)
     except ValueError as e:
@@ -314,20 +358,28 @@ def resolve(cfg: Config, world_size: int) -> dict:
         if not os.access(parent, os.W_OK | os.X_OK):
             errors.append(f"--out-dir {cfg.out_dir!r}: {parent!r} is not writable")
     if cfg.model and not os.path.isfile(os.path.join(cfg.model, "config.json")):
-        errors.append(f"--model {cfg.model!r} is not a Hugging Face model folder (no config.json); hub names must be downloaded first")
+        errors.append(
+            f"--model {cfg.model!r} is not a Hugging Face model folder (no config.json); hub names must be downloaded first"
+        )
     if not 0 <= cfg.moe_flip <= 1:
         errors.append(f"--moe-flip must be a probability in [0, 1], got {cfg.moe_flip}")
     if cfg.engine == "sglang":
         if cfg.moe_flip:
             errors.append("--moe-flip is a knob of the embedded engine (--engine embedded)")
         if cfg.prefix_cache:
-            errors.append("--prefix-cache is the embedded engine's (--engine embedded); SGLang keeps its own prefix cache")
+            errors.append(
+                "--prefix-cache is the embedded engine's (--engine embedded); SGLang keeps its own prefix cache"
+            )
         if cfg.engine_dtype in ("fp8", "int4"):
-            errors.append(f"--engine sglang takes --engine-dtype fp32 or bf16 ({cfg.engine_dtype} fake-quantised weights are the "
-                          "embedded engine's; SGLang 0.5.23 has no on-the-fly weight quantisation that update_weights can refresh)")
+            errors.append(
+                f"--engine sglang takes --engine-dtype fp32 or bf16 ({cfg.engine_dtype} fake-quantised weights are the "
+                "embedded engine's; SGLang 0.5.23 has no on-the-fly weight quantisation that update_weights can refresh)"
+            )
         if cfg.kv_cache_dtype == "fp8" and not torch.cuda.is_available():
-            errors.append("--kv-cache-dtype fp8 with --engine sglang needs CUDA (SGLang's CPU mode has no fp8 KV cache "
-                          "with its torch_native attention)")
+            errors.append(
+                "--kv-cache-dtype fp8 with --engine sglang needs CUDA (SGLang's CPU mode has no fp8 KV cache "
+                "with its torch_native attention)"
+            )
         try:
             import sglang  # noqa: F401
         except ImportError as e:
@@ -338,7 +390,9 @@ def resolve(cfg: Config, world_size: int) -> dict:
     if cfg.prompt_key == cfg.answer_key:
         errors.append(f"--prompt-key and --answer-key must name different columns, both are {cfg.prompt_key!r}")
     if cfg.eval_task and cfg.eval_task == cfg.task and cfg.eval_split == cfg.split:
-        errors.append(f"--eval-task {cfg.eval_task!r} is --task with the same split: the held-out set would be the train set")
+        errors.append(
+            f"--eval-task {cfg.eval_task!r} is --task with the same split: the held-out set would be the train set"
+        )
     try:  # runs a reward file's top level: its errors are named here, before any work
         load_reward(cfg.reward)
     except ValueError as e:
@@ -349,24 +403,40 @@ def resolve(cfg: Config, world_size: int) -> dict:
             tool_env = is_tool_env(load_env(cfg.env))
         except ValueError as e:
             errors.append(str(e))
-    tool_flags = [f"--{f.name.replace('_', '-')}" for f in fields(Config) if f.name.startswith("tool_") and getattr(cfg, f.name) != f.default]
+    tool_flags = [
+        f"--{f.name.replace('_', '-')}"
+        for f in fields(Config)
+        if f.name.startswith("tool_") and getattr(cfg, f.name) != f.default
+    ]
     if tool_flags and not tool_env:
-        errors.append(f"{', '.join(tool_flags)}: only for a tool environment (--env with reset(**row) and tools as methods, no step)")
+        errors.append(
+            f"{', '.join(tool_flags)}: only for a tool environment (--env with reset(**row) and tools as methods, no step)"
+        )
     if min(cfg.tool_calls_per_turn, cfg.tool_calls_per_episode, cfg.tool_output_chars) < 1 or cfg.tool_timeout <= 0:
-        errors.append("--tool-calls-per-turn, --tool-calls-per-episode and --tool-output-chars must be >= 1 and --tool-timeout > 0")
+        errors.append(
+            "--tool-calls-per-turn, --tool-calls-per-episode and --tool-output-chars must be >= 1 and --tool-timeout > 0"
+        )
     if cfg.tiny != "dense" and cfg.model:
         errors.append(f"--tiny {cfg.tiny} picks the embedded default model; it cannot go with --model {cfg.model}")
     if cfg.routing_replay and (cfg.engine != "embedded" or _multi_turn(cfg)):
-        errors.append("--routing-replay needs the embedded engine (it records the experts per token) and a single-turn task "
-                      "(multi-turn rows re-route their context each turn; replaying one record per token is not implemented)")
+        errors.append(
+            "--routing-replay needs the embedded engine (it records the experts per token) and a single-turn task "
+            "(multi-turn rows re-route their context each turn; replaying one record per token is not implemented)"
+        )
     if cfg.fsdp and dp < 2:
-        errors.append(f"--fsdp shards over data-parallel ranks and this launch has {dp}: start at least 2 per replica "
-                      f"(torchrun --nproc_per_node {2 * cfg.tp}), or leave --fsdp off")
+        errors.append(
+            f"--fsdp shards over data-parallel ranks and this launch has {dp}: start at least 2 per replica "
+            f"(torchrun --nproc_per_node {2 * cfg.tp}), or leave --fsdp off"
+        )
     if cfg.fsdp and cfg.compact_at:
-        errors.append("--fsdp with --compact-at is not supported: compaction gives data-parallel ranks different numbers of "
-                      "rows, and FSDP needs every rank to run the same forwards")
+        errors.append(
+            "--fsdp with --compact-at is not supported: compaction gives data-parallel ranks different numbers of "
+            "rows, and FSDP needs every rank to run the same forwards"
+        )
     if cfg.max_turns < 0 or cfg.compact_at < 0:
-        errors.append(f"--max-turns and --compact-at must be >= 0 (0 = the default / off), got {cfg.max_turns} and {cfg.compact_at}")
+        errors.append(
+            f"--max-turns and --compact-at must be >= 0 (0 = the default / off), got {cfg.max_turns} and {cfg.compact_at}"
+        )
     if not multi_turn and (cfg.max_turns or cfg.compact_at):
         errors.append("--max-turns and --compact-at apply to multi-turn tasks: give --env (or --task guess)")
     if multi_turn and cfg.reward and not tool_env:
@@ -374,8 +444,10 @@ def resolve(cfg: Config, world_size: int) -> dict:
     if tool_env and cfg.compact_at:
         errors.append("--compact-at is not implemented for tool environments")
     if cfg.compact_at and cfg.algo == "grpo":
-        errors.append("--compact-at with --algo grpo is refused: a compacted episode is several rows, and GRPO's groups are "
-                      "rows of one prompt; use --algo ppo (every row carries its episode's return)")
+        errors.append(
+            "--compact-at with --algo grpo is refused: a compacted episode is several rows, and GRPO's groups are "
+            "rows of one prompt; use --algo ppo (every row carries its episode's return)"
+        )
     for flag, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
         if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
             errors.append(f"--{flag} needs the {module} package: pip install {module}")
@@ -388,10 +460,16 @@ def check_critic_context(cfg: Config, task) -> None:
     """--critic-context against the task: env needs an environment class with a critic_context method, answer a
     non-empty answer on every train row (the critic's prefix)."""
     if cfg.critic_context == "env" and not callable(getattr(task.env, "critic_context", None)):
-        raise ValueError(f"--critic-context env: the environment {getattr(task.env, '__name__', task.env)!r} has no critic_context() "
-                         "method (def critic_context(self) -> str, called after reset; agent.py)")
-    if cfg.critic_context == "answer" and (bad := [i for i, a in enumerate(task.train["answer"]) if not str(a).strip()]):
-        raise ValueError(f"--critic-context answer: {len(bad)} train rows have no answer (first: {task.train[bad[0]].get('where', bad[0])})")
+        raise ValueError(
+            f"--critic-context env: the environment {getattr(task.env, '__name__', task.env)!r} has no critic_context() "
+            "method (def critic_context(self) -> str, called after reset; agent.py)"
+        )
+    if cfg.critic_context == "answer" and (
+        bad := [i for i, a in enumerate(task.train["answer"]) if not str(a).strip()]
+    ):
+        raise ValueError(
+            f"--critic-context answer: {len(bad)} train rows have no answer (first: {task.train[bad[0]].get('where', bad[0])})"
+        )
 
 
 def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
@@ -403,15 +481,21 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"{name}: its config.json cannot be read as a model config ({type(e).__name__}: {e})") from e
     if mc.model_type not in SUPPORTED_MODELS:
-        raise ValueError(f"{name}: model type {mc.model_type!r} is not supported (the engine, the TP plan and the critic "
-                         f"implement {', '.join(SUPPORTED_MODELS)})")
+        raise ValueError(
+            f"{name}: model type {mc.model_type!r} is not supported (the engine, the TP plan and the critic "
+            f"implement {', '.join(SUPPORTED_MODELS)})"
+        )
     if cfg.routing_replay and not is_moe(mc):
         raise ValueError(f"--routing-replay: {name} is not a mixture of experts (model type {mc.model_type!r})")
     if cfg.prefix_cache and is_moe(mc):
-        raise ValueError(f"--prefix-cache is not implemented for mixtures of experts ({name}: a cached prefix has no recorded routing)")
+        raise ValueError(
+            f"--prefix-cache is not implemented for mixtures of experts ({name}: a cached prefix has no recorded routing)"
+        )
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(path, f)) for f in files):
-        raise ValueError(f"{name} has no tokenizer files (none of {', '.join(files)}); save one there with tokenizer.save_pretrained")
+        raise ValueError(
+            f"{name} has no tokenizer files (none of {', '.join(files)}); save one there with tokenizer.save_pretrained"
+        )
     if bad := safetensors_problem(path):
         raise ValueError(f"{name}: {bad}")
     if cfg.tp > 1:  # the head counts against --tp, on a weightless copy
@@ -419,29 +503,43 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
             check_tp(AutoModelForCausalLM.from_config(mc), cfg.tp)
     try:
         tok = AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # a damaged tokenizer.json raises a bare JSONDecodeError; a slow-only one, a converter's error
-        raise ValueError(f"{name}: its tokenizer cannot be loaded ({type(e).__name__}: {e}); save a working one there with "
-                         "tokenizer.save_pretrained") from e
+    except (
+        Exception
+    ) as e:  # a damaged tokenizer.json raises a bare JSONDecodeError; a slow-only one, a converter's error
+        raise ValueError(
+            f"{name}: its tokenizer cannot be loaded ({type(e).__name__}: {e}); save a working one there with "
+            "tokenizer.save_pretrained"
+        ) from e
     if len(tok) > mc.vocab_size:
         raise ValueError(f"{name}: the tokenizer has {len(tok)} tokens but the model's vocabulary only {mc.vocab_size}")
     if tok.eos_token_id is None or not tok.chat_template:
-        raise ValueError(f"{name}: the tokenizer needs an EOS token and a chat template (responses stop at EOS; prompts are chat turns)")
+        raise ValueError(
+            f"{name}: the tokenizer needs an EOS token and a chat template (responses stop at EOS; prompts are chat turns)"
+        )
     if tok.pad_token_id is None:  # many base models ship none (Llama 3); every forward masks padding out, so EOS serves
         tok.pad_token = tok.eos_token
     if cfg.algo == "vine" and task.env is not None and not callable(getattr(task.env, "reseed", None)):
-        raise ValueError(f"--algo vine: the environment {task.env.__name__} has no reseed(seed) method. A continuation plays "
-                         "on a copy of the environment and must draw its own randomness afresh: define reseed (a no-op "
-                         "if the environment has no randomness of its own)")
+        raise ValueError(
+            f"--algo vine: the environment {task.env.__name__} has no reseed(seed) method. A continuation plays "
+            "on a copy of the environment and must draw its own randomness afresh: define reseed (a no-op "
+            "if the environment has no randomness of its own)"
+        )
     new = cfg.max_new_tokens or task.max_new_tokens
     if new >= mc.max_position_embeddings:
-        raise ValueError(f"--max-new-tokens {new} leaves no room for a prompt in the model's context of {mc.max_position_embeddings} tokens")
+        raise ValueError(
+            f"--max-new-tokens {new} leaves no room for a prompt in the model's context of {mc.max_position_embeddings} tokens"
+        )
     if cfg.compact_at and not cfg.compact_at + 2 * new < mc.max_position_embeddings:
-        raise ValueError(f"--compact-at {cfg.compact_at} leaves no room for the summary request and the summary ({new} tokens) "
-                         f"in the model's context of {mc.max_position_embeddings} tokens")
+        raise ValueError(
+            f"--compact-at {cfg.compact_at} leaves no room for the summary request and the summary ({new} tokens) "
+            f"in the model's context of {mc.max_position_embeddings} tokens"
+        )
     check_lengths(task, tok, mc.max_position_embeddings, new, cfg.compact_at)  # every data row, naming the file row
     check_critic_context(cfg, task)
     if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
-        raise ValueError(f"{name} has no weights (no *.safetensors or *.bin file); save the model there with model.save_pretrained")
+        raise ValueError(
+            f"{name} has no weights (no *.safetensors or *.bin file); save the model there with model.save_pretrained"
+        )
     index = os.path.join(path, "model.safetensors.index.json")  # a sharded folder: an interrupted copy lacks shards
     if os.path.isfile(index):
         try:

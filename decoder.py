@@ -27,17 +27,29 @@ def load_pretrained(cls, path: str, what: str, *, new: tuple[str, ...] = (), unu
     count as it loads them, at no cost beyond the load itself."""
     model, info = cls.from_pretrained(path, output_loading_info=True, ignore_mismatched_sizes=True, **kw)
     name = type(model).__name__
-    shape = lambda k: f"{k[0]} ({tuple(k[1])} in the files, {tuple(k[2])} in the model)" if isinstance(k, tuple) else str(k)  # noqa: E731
-    problems = {f"lacks {{}} tensor(s) that {name} needs": sorted(k for k in info["missing_keys"] if not k.startswith(new)),
-                f"has {{}} tensor(s) that {name} does not use": sorted(k for k in info["unexpected_keys"] if not k.startswith(unused)),
-                "has {} tensor(s) of another shape than the model's": sorted(map(shape, info["mismatched_keys"]))}
+
+    def shape(k):
+        return f"{k[0]} ({tuple(k[1])} in the files, {tuple(k[2])} in the model)" if isinstance(k, tuple) else str(k)
+
+    problems = {
+        f"lacks {{}} tensor(s) that {name} needs": sorted(k for k in info["missing_keys"] if not k.startswith(new)),
+        f"has {{}} tensor(s) that {name} does not use": sorted(
+            k for k in info["unexpected_keys"] if not k.startswith(unused)
+        ),
+        "has {} tensor(s) of another shape than the model's": sorted(map(shape, info["mismatched_keys"])),
+    }
     if any(problems.values()):
         files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".index.json")))
-        why = "; it ".join(f"{how.format(len(ks))}: {', '.join(ks[:5])}{', ...' if len(ks) > 5 else ''}"
-                           for how, ks in problems.items() if ks)
-        raise ValueError(f"{what}: the weights in {path} ({', '.join(files) or 'no weight files'}) do not match its "
-                         f"config.json: the folder {why}. Fix the folder (model.save_pretrained writes a complete one) "
-                         "or its config.json")
+        why = "; it ".join(
+            f"{how.format(len(ks))}: {', '.join(ks[:5])}{', ...' if len(ks) > 5 else ''}"
+            for how, ks in problems.items()
+            if ks
+        )
+        raise ValueError(
+            f"{what}: the weights in {path} ({', '.join(files) or 'no weight files'}) do not match its "
+            f"config.json: the folder {why}. Fix the folder (model.save_pretrained writes a complete one) "
+            "or its config.json"
+        )
     return model
 
 
@@ -58,8 +70,10 @@ def fake_quant_int4(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> Tensor:
     |w - w_hat| <= s / 2 and the absmax element is kept (docs/algorithms.md, section 16). Returns w_hat in w's dtype."""
     rows, cols = w.shape
     if cols % group_size:
-        raise ValueError(f"fake_quant_int4: the input dimension {cols} of a [{rows}, {cols}] weight is not a "
-                         f"multiple of group_size={group_size}")
+        raise ValueError(
+            f"fake_quant_int4: the input dimension {cols} of a [{rows}, {cols}] weight is not a "
+            f"multiple of group_size={group_size}"
+        )
     g = w.float().reshape(rows, cols // group_size, group_size)
     s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7  # the clamp only guards all-zero groups
     return ((g / s).round().clamp(-8, 7) * s).reshape(rows, cols).to(w.dtype)
@@ -84,8 +98,28 @@ LAYER_SLOTS = {
     "mlp.experts.down_proj": ("edown", 0),
 }
 # Each projection's bias (Qwen2 has q/k/v biases) goes to its weight's slot + "_b", same part.
-LAYER_SLOTS |= {k.replace(".weight", ".bias"): (slot + "_b", part) for k, (slot, part) in LAYER_SLOTS.items() if slot in ("qkv", "o", "gu", "down")}
-LAYER_KEYS = ("ln1", "qkv", "qkv_b", "qn", "kn", "o", "o_b", "ln2", "gu", "gu_b", "down", "down_b", "router", "egu", "edown")
+LAYER_SLOTS |= {
+    k.replace(".weight", ".bias"): (slot + "_b", part)
+    for k, (slot, part) in LAYER_SLOTS.items()
+    if slot in ("qkv", "o", "gu", "down")
+}
+LAYER_KEYS = (
+    "ln1",
+    "qkv",
+    "qkv_b",
+    "qn",
+    "kn",
+    "o",
+    "o_b",
+    "ln2",
+    "gu",
+    "gu_b",
+    "down",
+    "down_b",
+    "router",
+    "egu",
+    "edown",
+)
 TOP_SLOTS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
 
@@ -122,7 +156,9 @@ class Decoder:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps, self.scale = c.rms_norm_eps, self.head_dim**-0.5  # the scale HF and SDPA use
         self.top_k, self.norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
-        self.flip: tuple[float, torch.Generator] | None = None  # moe.sparse_block's expert flips (EmbeddedEngine moe_flip)
+        self.flip: tuple[float, torch.Generator] | None = (
+            None  # moe.sparse_block's expert flips (EmbeddedEngine moe_flip)
+        )
         # RoPE tables for every position, computed like HF (fp32 angles, then cast to the compute dtype).
         D, theta = self.head_dim, c.rope_parameters["rope_theta"]
         inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float) / D))
@@ -137,7 +173,9 @@ class Decoder:
         self.embed, self.norm = store["embed"], store["norm"]
         self.lm_head = store["embed"] if tied else store["lm_head"]
 
-    def forward(self, ids: Tensor, pos: Tensor, attn_mask: Tensor | None, kv=None, start: int = 0, routes: list | None = None) -> Tensor:
+    def forward(
+        self, ids: Tensor, pos: Tensor, attn_mask: Tensor | None, kv=None, start: int = 0, routes: list | None = None
+    ) -> Tensor:
         """Final hidden states [B, S, hidden] for ids [B, S] at rope positions pos [B, S]; an MoE model appends each
         layer's experts [B, S, k] to ``routes`` when given.
 
@@ -153,7 +191,9 @@ class Decoder:
         H, K, D = self.n_heads, self.n_kv, self.head_dim
         cos, sin = self.cos[pos].unsqueeze(2), self.sin_signed[pos].unsqueeze(2)  # [B, S, 1, D]
         x = F.embedding(ids, self.embed)
-        for i, (ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, router, egu, edown) in enumerate(self.layers):
+        for i, (ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, router, egu, edown) in enumerate(
+            self.layers
+        ):
             qkv = F.linear(_rmsnorm(x, ln1, self.eps), qkv_w, qkv_b).view(B, S, H + 2 * K, D)
             qk, v = qkv[:, :, : H + K], qkv[:, :, H + K :]
             if qn is not None:  # Qwen3: RMSNorm over head_dim of each q and k head, before RoPE
@@ -175,8 +215,9 @@ class Decoder:
             if start == 0 or S > 1:  # a window after cached slots reads the keys and values of slots 0..start + S
                 if start:
                     k, v = k_cache[:, :, : start + S].to(self.dtype), v_cache[:, :, : start + S].to(self.dtype)
-                a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                                   enable_gqa=K != H)
+                a = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=K != H
+                )
                 a = a.transpose(1, 2).reshape(B, S, H * D)
             else:
                 # Decode: the H // K query heads sharing a KV head are that head's query rows, so one

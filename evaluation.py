@@ -1,6 +1,6 @@
 """Held-out evaluation, and the rollout-then-score pair the training loop shares with it.
 
-    from evaluation import evaluate    # evaluate(engine, tok, task, cfg, sampling, dp_rank, dp) -> (metrics, records)
+from evaluation import evaluate    # evaluate(engine, tok, task, cfg, sampling, dp_rank, dp) -> (metrics, records)
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from runlog import Metrics
 
 def rollouts(engine, tok, rows, s: Sampling, play):
     """s.n samples of each task row: a Rollout, or with a multi-turn task (play) agent.Episodes."""
-    return play(engine, rows.to_list(), s) if play else engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], s)
+    return (
+        play(engine, rows.to_list(), s) if play else engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], s)
+    )
 
 
 def scored(task, tok, rows, n: int, out, play) -> tuple[list, Scores]:
@@ -30,7 +32,9 @@ def scored(task, tok, rows, n: int, out, play) -> tuple[list, Scores]:
     return texts, score(task, texts, reward_columns(rows, n))
 
 
-def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int, play=None) -> tuple[dict[str, float], list[dict]]:
+def evaluate(
+    engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int, play=None
+) -> tuple[dict[str, float], list[dict]]:
     """Held-out evaluation on the first eval_size test problems, sharded over the engine ranks, summed over all ranks.
 
     eval/greedy_acc and eval/sampled_acc: the mean reward of the greedy (top-1) completion and of the sampled ones
@@ -57,16 +61,30 @@ def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, d
             texts, sc = scored(task, tok, test, k, rollouts(engine, tok, test, s, play), play)
             r = sc.rewards * sc.rewarded  # None counts as 0
             m.add_ratio(f"eval/{kind}_acc", r.sum(), len(r))
-            records += [{**sc.extras[i], "kind": kind, "problem": lo + i // k, "sample": i % k, "prompt": prompts[i // k],
-                         "answer": answers[i // k], "completion": t, "reward": sc.rewards[i].item() if sc.rewarded[i] else None}
-                        for i, t in enumerate(texts)]  # the reward's extra keys first: a key named like ours is overwritten
+            records += [
+                {
+                    **sc.extras[i],
+                    "kind": kind,
+                    "problem": lo + i // k,
+                    "sample": i % k,
+                    "prompt": prompts[i // k],
+                    "answer": answers[i // k],
+                    "completion": t,
+                    "reward": sc.rewards[i].item() if sc.rewarded[i] else None,
+                }
+                for i, t in enumerate(texts)
+            ]  # the reward's extra keys first: a key named like ours is overwritten
             if kind == "sampled" and ks:
                 R = r.view(-1, n).tolist()
                 preds = [e.get("pred") for e in sc.extras]
                 m.add_ratio("eval/has_pred", any("pred" in e for e in sc.extras), 1)
                 for kk in ks:
                     m.add_ratio(f"eval/pass@{kk}", sum(pass_at_k(n, sum(x > 0 for x in row), kk) for row in R), len(R))
-                    m.add_ratio(f"eval/maj@{kk}", sum(majority_correct(preds[p * n : (p + 1) * n], R[p], kk) for p in range(len(R))), len(R))
+                    m.add_ratio(
+                        f"eval/maj@{kk}",
+                        sum(majority_correct(preds[p * n : (p + 1) * n], R[p], kk) for p in range(len(R))),
+                        len(R),
+                    )
     out = m.reduce()
     if ks:
         out[f"eval/mean@{n}"] = out["eval/sampled_acc"]
@@ -75,5 +93,7 @@ def evaluate(engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, d
     if dist.is_initialized():
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(records, parts, dst=0)
-        records = sorted((r for p in parts for r in p), key=lambda r: (r["kind"], r["problem"], r["sample"])) if parts else []
+        records = (
+            sorted((r for p in parts for r in p), key=lambda r: (r["kind"], r["problem"], r["sample"])) if parts else []
+        )
     return out, records

@@ -66,7 +66,9 @@ def head_replaced(model, fn):
 def sequences(b: TrainBatch, rows):
     """The forward's inputs for rows (whole groups, in order, when the batch shares prefixes: TrainBatch.shared)."""
     n = b.group
-    if n > 1 and (len(rows) % n or (rows[::n] % n).any() or not torch.equal(rows, (rows[::n, None] + torch.arange(n)).reshape(-1))):
+    if n > 1 and (
+        len(rows) % n or (rows[::n] % n).any() or not torch.equal(rows, (rows[::n, None] + torch.arange(n)).reshape(-1))
+    ):
         raise ValueError(f"rows {rows.tolist()} are not whole groups of {n}")
     sel = rows[::n] // n
     return {"input_ids": b.input_ids[sel], "attention_mask": b.attention_mask[sel], "position_ids": b.position_ids[sel]}
@@ -80,12 +82,23 @@ def response_logprobs(model, b: TrainBatch, rows, tokens: torch.Tensor, cfg: Con
     out = {}
 
     def logprobs(h):  # [sequences, len(keep), H] -> one row per response
-        out["logp"], out["entropy"] = losses.head_logprobs(head, h.reshape(len(rows), tokens.size(1), h.size(-1)), tokens[rows], cfg.temperature,
-                                                           top_k=cfg.top_k, top_p=cfg.top_p, entropy=entropy)
+        out["logp"], out["entropy"] = losses.head_logprobs(
+            head,
+            h.reshape(len(rows), tokens.size(1), h.size(-1)),
+            tokens[rows],
+            cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            entropy=entropy,
+        )
         return out["logp"]
+
     replay = moe.batch_routes(b, rows) if cfg.routing_replay else None
-    with (head_replaced(model, logprobs) as head, moe.routing(model, replay),
-          torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16")):
+    with (
+        head_replaced(model, logprobs) as head,
+        moe.routing(model, replay),
+        torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=cfg.train_dtype == "bf16"),
+    ):
         model(**sequences(b, rows), logits_to_keep=b.keep)
     return out["logp"], out["entropy"]
 
@@ -110,7 +123,9 @@ def context_ids(kind: str, tok, task_rows, out, n: int) -> list[list[int]]:
         texts = [ANSWER_CONTEXT.format(task_rows[e // n]["answer"]) for e in episode]
     elif kind == "env":
         if not isinstance(out, Episodes) or any(out.critic_context[e] is None for e in episode):
-            raise ValueError("--critic-context env: the environment gave no critic_context() string (it needs the method)")
+            raise ValueError(
+                "--critic-context env: the environment gave no critic_context() string (it needs the method)"
+            )
         texts = [out.critic_context[e] for e in episode]
     else:
         raise ValueError(f"context_ids: unknown kind {kind!r} (answer or env)")
@@ -125,7 +140,9 @@ def critic_batch(ro: Rollout, prefixes: list[list[int]], pad_id: int, n: int = 1
     which give the same values. MoE routing is dropped (the critic never replays it)."""
     if len(prefixes) != len(ro.prompt_ids):
         raise ValueError(f"critic_batch: {len(prefixes)} prefixes for {len(ro.prompt_ids)} rows")
-    tb = dataclasses.replace(ro, prompt_ids=[list(c) + list(p) for c, p in zip(prefixes, ro.prompt_ids)], routing=None).to_batch(pad_id)
+    tb = dataclasses.replace(
+        ro, prompt_ids=[list(c) + list(p) for c, p in zip(prefixes, ro.prompt_ids)], routing=None
+    ).to_batch(pad_id)
     same = all(prefixes[b] == prefixes[b - b % n] for b in range(len(prefixes)))
     return tb.shared(n) if n > 1 and same else tb
 
@@ -137,8 +154,10 @@ def check_head(model) -> None:
     with torch.no_grad(), head_replaced(model, lambda h: sentinel):
         returned = model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=model.device)).logits
     if returned is not sentinel:
-        raise ValueError(f"--model: {type(model).__name__}'s forward post-processes the LM head's output (a logit softcap or "
-                         "scale?), which the trainer's response-only log-probs would drop")
+        raise ValueError(
+            f"--model: {type(model).__name__}'s forward post-processes the LM head's output (a logit softcap or "
+            "scale?), which the trainer's response-only log-probs would drop"
+        )
 
 
 # ----------------------------------------------------------------------------- denominators and optimiser steps
@@ -159,13 +178,17 @@ def optimizer_step(model, opt, cfg: Config, dp_group) -> tuple[torch.Tensor, boo
     weights_ok = True
     if ok:
         opt.step()
-        local = torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in model.parameters()]).all()
+        local = torch.stack(
+            [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in model.parameters()]
+        ).all()
         weights_ok = bool(all_reduce(local.float(), op=dist.ReduceOp.MIN))  # TP ranks hold different shards
     opt.zero_grad(set_to_none=True)
     return norm.detach(), ok, weights_ok
 
 
-def check_finite(ok: bool, weights_ok: bool, bad: dict[str, int], what: str, where: str, norm: torch.Tensor, cfg: Config) -> None:
+def check_finite(
+    ok: bool, weights_ok: bool, bad: dict[str, int], what: str, where: str, norm: torch.Tensor, cfg: Config
+) -> None:
     """Count each model's consecutive skipped (non-finite) updates in bad[what]; stop the run after max_bad_steps
     of them, or at once if an update left non-finite weights (it cannot be undone). No checkpoint is written
     while a streak lasts, so the last one on disk predates the trouble and resumes with a new --lr."""
@@ -174,8 +197,13 @@ def check_finite(ok: bool, weights_ok: bool, bad: dict[str, int], what: str, whe
         print(f"{where}: skipped a {what} update with a non-finite loss or gradient (norm {norm.item()})", flush=True)
     if weights_ok and bad[what] < cfg.max_bad_steps:
         return
-    why = (f"the {what} update made its weights non-finite (grad norm {norm.item()})" if not weights_ok else
-           f"{bad[what]} consecutive {what} updates had a non-finite loss or gradient (last grad norm {norm.item()})")
+    why = (
+        f"the {what} update made its weights non-finite (grad norm {norm.item()})"
+        if not weights_ok
+        else f"{bad[what]} consecutive {what} updates had a non-finite loss or gradient (last grad norm {norm.item()})"
+    )
     last = latest_checkpoint(cfg.out_dir, cfg.algo)
-    raise RuntimeError(f"{where}: {why}. Nothing was saved after the trouble began: lower --{'lr' if what == 'policy' else 'critic-lr'} "
-                       f"or check the rewards, and {'resume from ' + last + ' (rerun with the same --out-dir)' if last else 'start again'}")
+    raise RuntimeError(
+        f"{where}: {why}. Nothing was saved after the trouble began: lower --{'lr' if what == 'policy' else 'critic-lr'} "
+        f"or check the rewards, and {'resume from ' + last + ' (rerun with the same --out-dir)' if last else 'start again'}"
+    )

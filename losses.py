@@ -42,7 +42,9 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 def _check(mask: Tensor, **tensors: Tensor) -> None:
     """Assert the alignment convention: bool [B, T] mask, every tensor the same [B, T] shape."""
-    assert mask.dtype == torch.bool and mask.dim() == 2, f"mask must be bool [B, T], got {mask.dtype} {tuple(mask.shape)}"
+    assert mask.dtype == torch.bool and mask.dim() == 2, (
+        f"mask must be bool [B, T], got {mask.dtype} {tuple(mask.shape)}"
+    )
     for name, t in tensors.items():
         assert t.shape == mask.shape, f"{name} has shape {tuple(t.shape)}, mask has {tuple(mask.shape)}"
 
@@ -90,7 +92,9 @@ def process_logits(logits: Tensor, temperature: float = 1.0, *, top_k: int = 0, 
     return x
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+def token_logprobs(
+    logits: Tensor, tokens: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0
+) -> Tensor:
     """Log-prob of each token under softmax(process_logits(logits, temperature, top_k, top_p)).
 
     logits: [B, T, V] (any float dtype), aligned so logits[:, t] predicts tokens[:, t].
@@ -99,7 +103,9 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *, 
     keeps for backward; none for float32 logits at temperature 1). Tokens that top-k / top-p excluded
     get EXCLUDED_LOGP with zero gradient.
     """
-    assert logits.dim() == 3 and tokens.shape == logits.shape[:2], f"logits {tuple(logits.shape)} vs tokens {tuple(tokens.shape)}"
+    assert logits.dim() == 3 and tokens.shape == logits.shape[:2], (
+        f"logits {tuple(logits.shape)} vs tokens {tuple(tokens.shape)}"
+    )
     flat_logits, flat_tokens = logits.reshape(-1, logits.size(-1)), tokens.reshape(-1, 1)
     out = []
     for start in range(0, flat_logits.size(0), CHUNK_ROWS):
@@ -109,8 +115,16 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *, 
     return torch.cat(out).view(tokens.shape) if out else flat_logits.new_zeros(tokens.shape, dtype=torch.float32)
 
 
-def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0,
-                  entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def head_logprobs(
+    head,
+    hidden: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """token_logprobs(head(hidden), tokens) without a [B, T, V] logits tensor: the LM head runs on HEAD_CHUNK_ELEMENTS // V
     positions at a time and each chunk's logits are freed at once; under autograd a chunk is checkpointed, so its backward
     recomputes head(chunk) instead of keeping every chunk's logits. Peak extra memory is a few copies of one chunk's
@@ -120,7 +134,9 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
     so hidden[:, t] predicts tokens[:, t] (long [B, T]). Returns (log-probs [B, T] float32, differentiable w.r.t. hidden and the head's weights;
     entropy [B, T] float32 of softmax(logits / temperature), detached, or None unless ``entropy``).
     """
-    assert hidden.dim() == 3 and tokens.shape == hidden.shape[:2], f"hidden {tuple(hidden.shape)} vs tokens {tuple(tokens.shape)}"
+    assert hidden.dim() == 3 and tokens.shape == hidden.shape[:2], (
+        f"hidden {tuple(hidden.shape)} vs tokens {tuple(tokens.shape)}"
+    )
     flat_h, flat_t = hidden.reshape(-1, hidden.size(-1)), tokens.reshape(-1, 1)
 
     def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -129,7 +145,11 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
         return lp, entropy_from_logits(logits.detach(), temperature)[0] if entropy else None
 
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-    logp, ent, step = [], [], max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])  # a DTensor weight reports its global shape
+    logp, ent, step = (
+        [],
+        [],
+        max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0]),
+    )  # a DTensor weight reports its global shape
     for start in range(0, flat_h.size(0), step):
         h, t = flat_h[start : start + step], flat_t[start : start + step]
         lp, e = torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t)
@@ -255,7 +275,9 @@ def length_adaptive_lambda(lengths: Tensor, alpha: float) -> Tensor:
     return (1.0 - 1.0 / (alpha * lengths.float().clamp_min(1))).clamp(0.0, 1.0)
 
 
-def grpo_advantages(scores: Tensor, group_size: int, norm_std: bool = True, eps: float = 1e-6, valid: Tensor | None = None) -> Tensor:
+def grpo_advantages(
+    scores: Tensor, group_size: int, norm_std: bool = True, eps: float = 1e-6, valid: Tensor | None = None
+) -> Tensor:
     """Group-relative advantages (GRPO, arXiv 2402.03300; Dr. GRPO arXiv 2503.20783 drops the std). scores: [N] one
     scalar per response; groups of ``group_size`` are contiguous. A_i = (R_i - mean_group) / (std_group + eps) with the
     unbiased std (or without the division when norm_std=False). A group of size 1 has no baseline: its advantage is 0.
@@ -288,10 +310,14 @@ def running_mean_advantages(rewards: Tensor, past: Tensor, past_count: Tensor, b
     (episode returns); past: [N, W] its last W earlier rewards, right-padded, entries at or after past_count [N] (long,
     in [0, W]) ignored. Returns [N] float32."""
     if past.shape != (rewards.numel(), past.size(-1)) or past_count.shape != rewards.shape:
-        raise ValueError(f"running_mean_advantages: past {tuple(past.shape)}, past_count {tuple(past_count.shape)} do not "
-                         f"match rewards {tuple(rewards.shape)}")
+        raise ValueError(
+            f"running_mean_advantages: past {tuple(past.shape)}, past_count {tuple(past_count.shape)} do not "
+            f"match rewards {tuple(rewards.shape)}"
+        )
     used = torch.arange(past.size(1), device=past.device) < past_count[:, None]
-    baseline = torch.where(past_count > 0, (past.double() * used).sum(-1) / past_count.clamp_min(1), batch_mean.double())
+    baseline = torch.where(
+        past_count > 0, (past.double() * used).sum(-1) / past_count.clamp_min(1), batch_mean.double()
+    )
     return (rewards.double() - baseline).float()
 
 
@@ -323,11 +349,17 @@ def _train_infer_ratio(old_logp: Tensor, infer_logp: Tensor) -> Tensor:
 
 def _band_metrics(k: Tensor, mask: Tensor, alpha: float, beta: float, prefix: str) -> dict[str, Tensor]:
     low, high = (k < alpha) & mask, (k > beta) & mask
-    return {f"{prefix}/masked_frac": _mean0((low | high).float(), mask), f"{prefix}/masked_frac_low": _mean0(low.float(), mask),
-            f"{prefix}/masked_frac_high": _mean0(high.float(), mask), f"{prefix}/seq_masked_frac": (low | high).any(-1).float().mean().detach()}
+    return {
+        f"{prefix}/masked_frac": _mean0((low | high).float(), mask),
+        f"{prefix}/masked_frac_low": _mean0(low.float(), mask),
+        f"{prefix}/masked_frac_high": _mean0(high.float(), mask),
+        f"{prefix}/seq_masked_frac": (low | high).any(-1).float().mean().detach(),
+    }
 
 
-def icepop_weights(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
+def icepop_weights(
+    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0
+) -> tuple[Tensor, dict[str, Tensor]]:
     """IcePop token weights M(k) (Ring-1T arXiv 2510.18855; GLM-5 arXiv 2602.15763).
 
     k_t = pi_old(y_t) / pi_infer(y_t); M(k) = k if alpha <= k <= beta (inclusive) else 0. Out-of-band
@@ -342,7 +374,9 @@ def icepop_weights(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: fl
         return k * keep, _band_metrics(k, mask, alpha, beta, "icepop")
 
 
-def tis_weights(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, cap: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
+def tis_weights(
+    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, cap: float = 2.0
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Truncated importance sampling (Yao et al. 2025): weight min(k, cap).
 
     k = pi_old / pi_infer. Returns (weights [B, T] float32 detached, 0 on padding; metrics tis/clip_frac,
@@ -355,7 +389,9 @@ def tis_weights(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, cap: float =
         return w, {"tis/clip_frac": _mean0(((k > cap) & mask).float(), mask), "tis/weight_mean": _mean0(w, mask)}
 
 
-def geo_seq_mask(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
+def geo_seq_mask(
+    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Sequence-level masking by the geometric-mean ratio (length-invariant).
 
     g = (prod_t k_t)^(1/|y|) = exp(mean_t log k_t) over a sequence's valid tokens; the whole sequence is
@@ -367,10 +403,15 @@ def geo_seq_mask(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: floa
         log_k = (old_logp.float() - infer_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         g = torch.exp((log_k * mask).sum(-1) / mask.sum(-1).clamp_min(1))
         keep = (g >= alpha) & (g <= beta)
-        return (keep[:, None] & mask).float(), {"geo/seq_masked_frac": (~keep).float().mean(), "geo/ratio_mean": g.mean()}
+        return (keep[:, None] & mask).float(), {
+            "geo/seq_masked_frac": (~keep).float().mean(),
+            "geo/ratio_mean": g.mean(),
+        }
 
 
-def mismatch_metrics(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0) -> dict[str, Tensor]:
+def mismatch_metrics(
+    old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: float = 0.5, beta: float = 2.0
+) -> dict[str, Tensor]:
     """Train-inference mismatch diagnostics (logged by every run, whatever the correction).
 
     k = pi_old / pi_infer on tokens sampled from pi_infer: mismatch/k1 = mean(infer_logp - old_logp)
@@ -383,11 +424,19 @@ def mismatch_metrics(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: 
     _check(mask, old_logp=old_logp, infer_logp=infer_logp)
     with torch.no_grad():
         diff = (infer_logp.float() - old_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        k, inf, one = torch.exp(-diff), torch.tensor(float("inf"), device=diff.device), torch.ones((), device=diff.device)
-        log_w = -(diff * mask).sum(-1)[mask.any(-1)]  # log prod_t k_t per row with tokens; ESS via logsumexp (no overflow)
+        k, inf, one = (
+            torch.exp(-diff),
+            torch.tensor(float("inf"), device=diff.device),
+            torch.ones((), device=diff.device),
+        )
+        log_w = -(diff * mask).sum(-1)[
+            mask.any(-1)
+        ]  # log prod_t k_t per row with tokens; ESS via logsumexp (no overflow)
         return {
             "mismatch/ess": (k * mask).sum() ** 2 / (mask.sum() * (k * k * mask).sum()) if mask.any() else one,
-            "mismatch/seq_ess": torch.exp(2 * log_w.logsumexp(0) - (2 * log_w).logsumexp(0)) / len(log_w) if len(log_w) else one,
+            "mismatch/seq_ess": torch.exp(2 * log_w.logsumexp(0) - (2 * log_w).logsumexp(0)) / len(log_w)
+            if len(log_w)
+            else one,
             "mismatch/k1": _mean0(diff, mask),
             "mismatch/k3": _mean0(k - 1 + diff, mask),
             "mismatch/abs_diff_mean": _mean0(diff.abs(), mask),
@@ -396,8 +445,14 @@ def mismatch_metrics(old_logp: Tensor, infer_logp: Tensor, mask: Tensor, alpha: 
             "mismatch/ratio_mean": _mean0(k, mask),
             "mismatch/ratio_max": torch.where(mask, k, -inf).max(),
             # the heavy tail, both sides: the 0.1% and 99.9% quantiles of k (linear interpolation), 1 for no tokens
-            **dict(zip(("mismatch/ratio_p001", "mismatch/ratio_p999"),
-                       k[mask].quantile(torch.tensor([0.001, 0.999], device=k.device)) if mask.any() else torch.ones(2, device=k.device))),
+            **dict(
+                zip(
+                    ("mismatch/ratio_p001", "mismatch/ratio_p999"),
+                    k[mask].quantile(torch.tensor([0.001, 0.999], device=k.device))
+                    if mask.any()
+                    else torch.ones(2, device=k.device),
+                )
+            ),
             **_band_metrics(k, mask, alpha, beta, "mismatch"),
         }
 
@@ -431,7 +486,9 @@ def loss_denominator(mask: Tensor, agg: str, max_len: int | None = None) -> Tens
     raise ValueError(f"unknown loss aggregation {agg!r}, expected one of {AGG_MODES}")
 
 
-def aggregate(loss_tok: Tensor, mask: Tensor, agg: str = "token-mean", num_tokens: Tensor | float | None = None) -> Tensor:
+def aggregate(
+    loss_tok: Tensor, mask: Tensor, agg: str = "token-mean", num_tokens: Tensor | float | None = None
+) -> Tensor:
     """Reduce a [B, T] per-token loss to a scalar.
 
     token-mean: sum(m l) / N_tokens. seq-mean-token-mean: sum over sequences of each sequence's token
@@ -587,7 +644,9 @@ def position_buckets(T: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def explained_variance_by_position(values: Tensor, returns: Tensor, mask: Tensor, width: int | None = None) -> dict[str, Tensor]:
+def explained_variance_by_position(
+    values: Tensor, returns: Tensor, mask: Tensor, width: int | None = None
+) -> dict[str, Tensor]:
     """explained_variance restricted to each bucket of position_buckets(width or T): {"critic/ev_pos_<label>": 0-d}.
     Give width (the response budget) when ranks hold batches of different T, so they all return the same keys.
 
@@ -596,5 +655,7 @@ def explained_variance_by_position(values: Tensor, returns: Tensor, mask: Tensor
     """
     _check(mask, values=values, returns=returns)
     cols = torch.arange(mask.size(1), device=mask.device)
-    return {f"critic/ev_pos_{label}": explained_variance(values, returns, mask & (cols >= lo) & (cols < hi))
-            for label, lo, hi in position_buckets(max(width or 0, mask.size(1)))}
+    return {
+        f"critic/ev_pos_{label}": explained_variance(values, returns, mask & (cols >= lo) & (cols < hi))
+        for label, lo, hi in position_buckets(max(width or 0, mask.size(1)))
+    }

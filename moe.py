@@ -55,7 +55,9 @@ def _route(self, hidden_states: Tensor):
     self._chosen = idx.detach()
     if self._replay is not None:
         if self._replay.shape != idx.shape:
-            raise ValueError(f"routing replay: {tuple(self._replay.shape)} recorded choices for {tuple(idx.shape)} routed tokens")
+            raise ValueError(
+                f"routing replay: {tuple(self._replay.shape)} recorded choices for {tuple(idx.shape)} routed tokens"
+            )
         idx = torch.where((self._replay >= 0).all(-1, keepdim=True), self._replay, idx)
         top = probs.gather(-1, idx)
     if self.norm_topk_prob:
@@ -63,8 +65,16 @@ def _route(self, hidden_states: Tensor):
     return logits, top.to(logits.dtype), idx
 
 
-def sparse_block(h: Tensor, router: Tensor, w1: Tensor, w2: Tensor, k: int, norm: bool, routes: list | None,
-                 flip: tuple[float, torch.Generator] | None = None) -> Tensor:
+def sparse_block(
+    h: Tensor,
+    router: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    k: int,
+    norm: bool,
+    routes: list | None,
+    flip: tuple[float, torch.Generator] | None = None,
+) -> Tensor:
     """The embedded engine's Qwen3-MoE block, as HF computes it: fp32 softmax, top-k, renormalised if ``norm``, experts
     in order; appends the experts [..., k] to ``routes`` when given. flip = (q, generator), the lab's heavy-tailed
     mismatch knob (--moe-flip): each token's k-th expert is swapped for the (k+1)-th best with probability q (one
@@ -94,7 +104,10 @@ def batch_routes(b, rows) -> Tensor:
 
 def batch_flips(model: nn.Module, b, rows, gen_mask: Tensor) -> dict[str, Tensor]:
     """flip_metrics of the last forward over rows' sampled tokens, each at the column that predicts it."""
-    at_keep = lambda r: r.view(-1, b.input_ids.size(1), *r.shape[1:])[:, b.keep].reshape(len(rows), -1, *r.shape[1:])  # noqa: E731
+
+    def at_keep(r):
+        return r.view(-1, b.input_ids.size(1), *r.shape[1:])[:, b.keep].reshape(len(rows), -1, *r.shape[1:])
+
     engine, own = at_keep(batch_routes(b, rows)), at_keep(chosen(model))
     valid = gen_mask[rows] & (engine >= 0).all(-1).all(-1)
     return flip_metrics(engine[valid], own[valid])
@@ -136,8 +149,11 @@ def flip_metrics(engine: Tensor, trainer: Tensor) -> dict[str, Tensor]:
     differ = (engine.sort(-1).values != trainer.sort(-1).values).any(-1).float()  # [tokens, layers]
     if differ.numel() == 0:
         return {}
-    return {"moe/flip_frac": differ.mean(), "moe/flip_any_layer_frac": differ.amax(-1).mean(),
-            **{f"moe/flip_frac_layer{i}": d for i, d in enumerate(differ.mean(0))}}
+    return {
+        "moe/flip_frac": differ.mean(),
+        "moe/flip_any_layer_frac": differ.amax(-1).mean(),
+        **{f"moe/flip_frac_layer{i}": d for i, d in enumerate(differ.mean(0))},
+    }
 
 
 def checkpoint_tensors(name: str, t: Tensor) -> list[tuple[str, Tensor]]:
@@ -147,7 +163,11 @@ def checkpoint_tensors(name: str, t: Tensor) -> list[tuple[str, Tensor]]:
     prefix, _, leaf = name.rpartition(".experts.")
     if leaf == "gate_up_proj":
         i = t.size(1) // 2
-        return [(f"{prefix}.experts.{e}.{part}.weight", w) for e in range(t.size(0)) for part, w in (("gate_proj", t[e, :i]), ("up_proj", t[e, i:]))]
+        return [
+            (f"{prefix}.experts.{e}.{part}.weight", w)
+            for e in range(t.size(0))
+            for part, w in (("gate_proj", t[e, :i]), ("up_proj", t[e, i:]))
+        ]
     if leaf == "down_proj":
         return [(f"{prefix}.experts.{e}.down_proj.weight", t[e]) for e in range(t.size(0))]
     return [(name, t)]
@@ -207,6 +227,8 @@ def shard_experts(model: nn.Module, tp_mesh) -> None:
             raise ValueError(f"tensor parallelism: num_experts={ex.num_experts} is not divisible by tp={tp}")
         for name in ("gate_up_proj", "down_proj"):
             p = getattr(ex, name)
-            setattr(ex, name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Shard(0)]), requires_grad=p.requires_grad))
+            setattr(
+                ex, name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Shard(0)]), requires_grad=p.requires_grad)
+            )
         ex._tp_group, ex._first_expert = tp_mesh.get_group(), tp_mesh.get_local_rank() * (ex.num_experts // tp)
         ex.forward = types.MethodType(_local_experts, ex)

@@ -38,7 +38,9 @@ from moe import is_moe, shard_experts
 # ``view(*shape, -1, head_dim)``, which makes a rank's q/k/v projection output read as its local heads. Qwen3-MoE's
 # experts are placed per rank (moe.shard_experts).
 SUPPORTED_MODELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
-_TP_CLASSES = tuple(f"{prefix}For{head}" for prefix in SUPPORTED_MODELS.values() for head in ("CausalLM", "TokenClassification"))
+_TP_CLASSES = tuple(
+    f"{prefix}For{head}" for prefix in SUPPORTED_MODELS.values() for head in ("CausalLM", "TokenClassification")
+)
 
 
 # ----------------------------------------------------------------------------- runtime
@@ -64,7 +66,9 @@ def init_runtime() -> Runtime:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         return Runtime(rank=0, world_size=1, local_rank=0, device=device, distributed=False)
     rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if sys.platform == "linux":  # die with the torchrun agent: a kill -9 of it must not leave workers writing into the run
+    if (
+        sys.platform == "linux"
+    ):  # die with the torchrun agent: a kill -9 of it must not leave workers writing into the run
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -99,7 +103,10 @@ class Preemption:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         self.requested = True
-        os.write(2, b"SIGTERM: a checkpoint is written at the end of this step, then the run stops (a second SIGTERM stops it now)\n")
+        os.write(
+            2,
+            b"SIGTERM: a checkpoint is written at the end of this step, then the run stops (a second SIGTERM stops it now)\n",
+        )
 
     def agreed(self, device: torch.device) -> bool:
         """Collective (every rank, every step): whether any rank got a SIGTERM. One float all-reduced: no RNG or

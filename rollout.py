@@ -30,7 +30,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import losses
-from decoder import INT4_GROUP_SIZE, LAYER_SLOTS, TOP_SLOTS, Decoder, check_arch, fake_quant_fp8, fake_quant_int4, load_pretrained  # noqa: F401
+from decoder import (
+    INT4_GROUP_SIZE,
+    LAYER_SLOTS,
+    TOP_SLOTS,
+    Decoder,
+    check_arch,
+    fake_quant_fp8,
+    fake_quant_int4,
+    load_pretrained,
+)  # noqa: F401
 from parallel import full_weights
 
 
@@ -88,7 +97,9 @@ class TrainBatch(NamedTuple):
     or after ``shared(n)`` one per group of n rows: the group's prompt once, then its n responses one after another."""
 
     input_ids: Tensor  # [B, P + T] long: left-padded prompt, response, right padding (shared: [B / n, P + n T])
-    attention_mask: Tensor  # [B, P + T] long: 1 on prompt and response tokens (shared: [B / n, 1, S, S] bool, True = attend)
+    attention_mask: (
+        Tensor  # [B, P + T] long: 1 on prompt and response tokens (shared: [B / n, 1, S, S] bool, True = attend)
+    )
     position_ids: Tensor  # [B, P + T] long: 0 at each row's first real token (what the engine used)
     response_start: int  # P: column of the first response token in every row
     keep: Tensor  # [T] (shared: [n T]) long: the columns whose hidden states predict the response tokens, row by row
@@ -103,8 +114,13 @@ class TrainBatch(NamedTuple):
         T, G = S - P, B // n
         ids, am, pos = (x[: G * n].view(G, n, S) for x in (self.input_ids, self.attention_mask, self.position_ids))
         if B % n or not ((ids[:, :, :P] == ids[:, :1, :P]) & (am[:, :, :P] == am[:, :1, :P])).all():
-            raise ValueError(f"TrainBatch.shared({n}): the {B} rows are not groups of {n} consecutive rows with one prompt each")
-        flat = lambda x: torch.cat([x[:, 0, :P], x[:, :, P:].reshape(G, n * T, *x.shape[3:])], 1)  # noqa: E731
+            raise ValueError(
+                f"TrainBatch.shared({n}): the {B} rows are not groups of {n} consecutive rows with one prompt each"
+            )
+
+        def flat(x):
+            return torch.cat([x[:, 0, :P], x[:, :, P:].reshape(G, n * T, *x.shape[3:])], 1)
+
         input_ids, position_ids, real = map(flat, (ids, pos, am))
         routing = None if self.routing is None else flat(self.routing[: G * n].view(G, n, S, *self.routing.shape[2:]))
         col = torch.arange(P + n * T, device=ids.device)
@@ -142,11 +158,19 @@ class Rollout:
     which is never fed back). None for dense models and multi-turn rows."""
 
     @classmethod
-    def from_ragged(cls, tokens: list, prompt_ids: list[list[int]], finish_reasons: list[str], *, infer_logp: list | None = None,
-                    model: list | None = None) -> Rollout:
+    def from_ragged(
+        cls,
+        tokens: list,
+        prompt_ids: list[list[int]],
+        finish_reasons: list[str],
+        *,
+        infer_logp: list | None = None,
+        model: list | None = None,
+    ) -> Rollout:
         """Per-row lists (or 1-D tensors) of response tokens and their log-probs (None: 0), right-padded to the longest
         row. model: per row and token, True on model tokens (multi-turn rows: `mask`; every real token is `attend`);
         None: every token is a model token."""
+
         def pad(rows, dtype):
             return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r, dtype=dtype) for r in rows], batch_first=True)
 
@@ -154,7 +178,9 @@ class Rollout:
         real = pad([torch.ones(len(t), dtype=torch.bool) for t in tokens], torch.bool)
         logp = torch.zeros(toks.shape) if infer_logp is None else pad(infer_logp, torch.float32)
         mask = real if model is None else pad(model, torch.bool)
-        return cls(toks, logp, mask, [list(p) for p in prompt_ids], list(finish_reasons), None if model is None else real)
+        return cls(
+            toks, logp, mask, [list(p) for p in prompt_ids], list(finish_reasons), None if model is None else real
+        )
 
     def to_batch(self, pad_id: int = 0) -> TrainBatch:
         """Left-padded prompt + response per row, pad_id elsewhere. Returns TrainBatch (tensors on CPU). The
@@ -170,7 +196,9 @@ class Rollout:
         input_ids[:, P:] = torch.where(real, self.tokens.cpu(), pad_id)
         attention_mask[:, P:] = real.long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        return TrainBatch(input_ids, attention_mask, position_ids, P, torch.arange(P - 1, P + T - 1), routing=self.routing)
+        return TrainBatch(
+            input_ids, attention_mask, position_ids, P, torch.arange(P - 1, P + T - 1), routing=self.routing
+        )
 
 
 def check_request(prompt_ids, sampling: Sampling, vocab_size: int, context_len: int) -> None:
@@ -185,8 +213,10 @@ def check_request(prompt_ids, sampling: Sampling, vocab_size: int, context_len: 
         if not isinstance(p, (list, tuple)) or len(p) == 0:
             raise ValueError(f"generate: prompt {i} is empty (or not a list of token ids): {p!r}")
         if len(p) > longest:
-            raise ValueError(f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
-                             f"the context ({context_len}) allows at most {longest}")
+            raise ValueError(
+                f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
+                f"the context ({context_len}) allows at most {longest}"
+            )
         if not all(isinstance(t, int) and 0 <= t < V for t in p):
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {V}) or non-int ids: {list(p)[:8]}...")
     if sampling.seeds and len(sampling.seeds) != len(prompt_ids) * sampling.n:
@@ -246,13 +276,23 @@ class EmbeddedEngine:
         one batch's keys and values. Not for MoE models (their routing is recorded per input position).
     """
 
-    def __init__(self, model_or_path, *, dtype: str = "fp32", kv_cache_dtype: str = "auto",
-                 device: str | torch.device = "cpu", max_batch_tokens: int = 65536, moe_flip: float = 0.0,
-                 prefix_cache: bool = False):
+    def __init__(
+        self,
+        model_or_path,
+        *,
+        dtype: str = "fp32",
+        kv_cache_dtype: str = "auto",
+        device: str | torch.device = "cpu",
+        max_batch_tokens: int = 65536,
+        moe_flip: float = 0.0,
+        prefix_cache: bool = False,
+    ):
         if dtype not in DTYPES:
             raise ValueError(f"EmbeddedEngine: dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"EmbeddedEngine: kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+            raise ValueError(
+                f"EmbeddedEngine: kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+            )
         if max_batch_tokens < 1:
             raise ValueError(f"EmbeddedEngine: max_batch_tokens must be >= 1, got {max_batch_tokens}")
         if isinstance(model_or_path, (str, os.PathLike)):
@@ -264,17 +304,27 @@ class EmbeddedEngine:
         self.config, self.dtype_name, self.dtype = c, dtype, DTYPES[dtype]
         self.kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else self.dtype
         self.device, self.max_batch_tokens = torch.device(device), max_batch_tokens
-        self.vocab_size, self.max_positions, self.tied = c.vocab_size, c.max_position_embeddings, bool(c.tie_word_embeddings)
+        self.vocab_size, self.max_positions, self.tied = (
+            c.vocab_size,
+            c.max_position_embeddings,
+            bool(c.tie_word_embeddings),
+        )
         self.lm = Decoder(c, self.dtype, self.kv_dtype, self.device)
         if not 0 <= moe_flip <= 1 or (moe_flip and not self.lm.top_k):
-            raise ValueError(f"EmbeddedEngine: moe_flip (--moe-flip) must be in [0, 1] and needs an MoE model, got {moe_flip} "
-                             f"for a {c.model_type} model")
+            raise ValueError(
+                f"EmbeddedEngine: moe_flip (--moe-flip) must be in [0, 1] and needs an MoE model, got {moe_flip} "
+                f"for a {c.model_type} model"
+            )
         self.lm.flip = (moe_flip, torch.Generator(self.device)) if moe_flip else None
         if prefix_cache and self.lm.top_k:
-            raise NotImplementedError("EmbeddedEngine: prefix_cache is not implemented for MoE models (a cached prefix "
-                                      "has no recorded routing)")
+            raise NotImplementedError(
+                "EmbeddedEngine: prefix_cache is not implemented for MoE models (a cached prefix "
+                "has no recorded routing)"
+            )
         self.prefix_cache, self.prefill_tokens = prefix_cache, 0
-        self._prefixes: dict[tuple[int, ...], Tensor] = {}  # the last call's rows' ids -> their keys and values [L, 2, K, len, D]
+        self._prefixes: dict[
+            tuple[int, ...], Tensor
+        ] = {}  # the last call's rows' ids -> their keys and values [L, 2, K, len, D]
 
         # name -> (store key, row range within it); the store holds the fused, precision-transformed weights.
         parts: dict[str, list[tuple[int, str, Tensor]]] = {}
@@ -309,21 +359,31 @@ class EmbeddedEngine:
         """The engine's copy of a weight: fp8 / int4 round decoder Linear weights and experts (in fp32), then the cast."""
         t = t.detach().to(self.device, torch.float32)
         kind = self.dtype_name
-        if kind in ("fp8", "int4") and name.startswith("model.layers.") and (name.endswith("_proj.weight") or ".experts." in name):
+        if (
+            kind in ("fp8", "int4")
+            and name.startswith("model.layers.")
+            and (name.endswith("_proj.weight") or ".experts." in name)
+        ):
             w = t.reshape(-1, t.size(-1))  # [out, in]; an expert stack [E, out, in] as E * out rows
             if kind == "int4" and w.size(1) % INT4_GROUP_SIZE:
-                raise NotImplementedError(f"EmbeddedEngine: dtype 'int4' quantises groups of {INT4_GROUP_SIZE} input "
-                                          f"elements; {name!r} has shape {tuple(w.shape)}, whose input size "
-                                          f"{w.size(1)} is not a multiple of {INT4_GROUP_SIZE}")
+                raise NotImplementedError(
+                    f"EmbeddedEngine: dtype 'int4' quantises groups of {INT4_GROUP_SIZE} input "
+                    f"elements; {name!r} has shape {tuple(w.shape)}, whose input size "
+                    f"{w.size(1)} is not a multiple of {INT4_GROUP_SIZE}"
+                )
             t = (fake_quant_fp8 if kind == "fp8" else fake_quant_int4)(w).view(t.shape)
         return t.to(self.dtype)
 
     def _view(self, name: str, caller: str, shape: torch.Size | None = None) -> Tensor:
         """The engine's copy of HF parameter `name`, checked against a full tensor's shape when given."""
-        key, rows = self._where.get("model.embed_tokens.weight" if name == "lm_head.weight" and self.tied else name, (None, None))
+        key, rows = self._where.get(
+            "model.embed_tokens.weight" if name == "lm_head.weight" and self.tied else name, (None, None)
+        )
         if key is None:
-            raise ValueError(f"{caller}: unknown parameter {name!r} (expected Hugging Face state_dict names, "
-                             f"e.g. 'model.layers.0.mlp.up_proj.weight')")
+            raise ValueError(
+                f"{caller}: unknown parameter {name!r} (expected Hugging Face state_dict names, "
+                f"e.g. 'model.layers.0.mlp.up_proj.weight')"
+            )
         have = self._store[key][rows]
         if shape is not None and tuple(shape) != tuple(have.shape):
             raise ValueError(f"{caller}: {name!r} has shape {tuple(shape)}, the engine holds {tuple(have.shape)}")
@@ -351,7 +411,9 @@ class EmbeddedEngine:
             have = self._view(name, "check_weights", t.shape)
             diff = (have.float() - self._transform(name, t).float().to(have.device)).abs().max().item()
             if not diff <= atol:
-                raise ValueError(f"check_weights: {name!r} differs from the engine's copy (max abs diff {diff:.3g} > {atol})")
+                raise ValueError(
+                    f"check_weights: {name!r} differs from the engine's copy (max abs diff {diff:.3g} > {atol})"
+                )
             count += 1
         return count
 
@@ -406,7 +468,10 @@ class EmbeddedEngine:
     def _cached(self, prompt: list[int], lengths: list[int]) -> Tensor | None:
         """The keys and values of the longest row of the last call (lengths: theirs, longest first) that a prompt
         extends by at least one token."""
-        return next((hit for n in lengths if n < len(prompt) and (hit := self._prefixes.get(tuple(prompt[:n]))) is not None), None)
+        return next(
+            (hit for n in lengths if n < len(prompt) and (hit := self._prefixes.get(tuple(prompt[:n]))) is not None),
+            None,
+        )
 
     @torch.inference_mode()
     def logits(self, input_ids: Tensor) -> Tensor:
@@ -438,21 +503,39 @@ class EmbeddedEngine:
         # A prompt's n samples stay in one chunk: its prefill runs once and is copied to the n rows.
         per_chunk = self.max_batch_tokens // ((P + sampling.max_new_tokens) * n)
         if per_chunk == 0:
-            raise ValueError(f"generate: the n={n} rows of one prompt need {(P + sampling.max_new_tokens) * n} KV slots > "
-                             f"max_batch_tokens={self.max_batch_tokens}; raise max_batch_tokens")
+            raise ValueError(
+                f"generate: the n={n} rows of one prompt need {(P + sampling.max_new_tokens) * n} KV slots > "
+                f"max_batch_tokens={self.max_batch_tokens}; raise max_batch_tokens"
+            )
         # One uniform per (row, step), from row r's own generator (seed + r, or seeds[r]): draws do not depend on
         # the batch composition or on how it is chunked (max_batch_tokens).
-        u = torch.stack([torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(sampling.row_seed(r)))
-                         for r in range(len(prompts) * n)])
+        u = torch.stack(
+            [
+                torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(sampling.row_seed(r)))
+                for r in range(len(prompts) * n)
+            ]
+        )
         kept: dict[tuple[int, ...], Tensor] = {}
-        outs = [self._generate_chunk(prompts[i : i + per_chunk], sampling, u[i * n : (i + per_chunk) * n].to(self.device), P, kept)
-                for i in range(0, len(prompts), per_chunk)]
+        outs = [
+            self._generate_chunk(
+                prompts[i : i + per_chunk], sampling, u[i * n : (i + per_chunk) * n].to(self.device), P, kept
+            )
+            for i in range(0, len(prompts), per_chunk)
+        ]
         if self.prefix_cache:
             self._prefixes = kept
-        ro = Rollout.from_ragged([t for o in outs for t in o[0]], [p for p in prompts for _ in range(n)],
-                                 [r for o in outs for r in o[2]], infer_logp=[lp for o in outs for lp in o[1]])
-        if self.lm.top_k:  # a chunk's routing [b, P + its longest response, L, k], right-padded to to_batch's P + T columns
-            ro.routing = torch.cat([F.pad(o[3], (0, 0, 0, 0, 0, P + ro.tokens.size(1) - o[3].size(1)), value=-1) for o in outs])
+        ro = Rollout.from_ragged(
+            [t for o in outs for t in o[0]],
+            [p for p in prompts for _ in range(n)],
+            [r for o in outs for r in o[2]],
+            infer_logp=[lp for o in outs for lp in o[1]],
+        )
+        if (
+            self.lm.top_k
+        ):  # a chunk's routing [b, P + its longest response, L, k], right-padded to to_batch's P + T columns
+            ro.routing = torch.cat(
+                [F.pad(o[3], (0, 0, 0, 0, 0, P + ro.tokens.size(1) - o[3].size(1)), value=-1) for o in outs]
+            )
         return ro
 
     def _generate_chunk(self, prompts: list[list[int]], s: Sampling, uniforms: Tensor, width: int, kept: dict):
@@ -481,7 +564,9 @@ class EmbeddedEngine:
             # A pad query also sees itself, so no softmax row is empty (an empty row gives NaN, and NaN
             # values would leak through zero attention weights into real rows).
             attend |= torch.eye(P, dtype=torch.bool, device=dev)
-            prefill_mask = torch.zeros(attend.shape, dtype=self.dtype, device=dev).masked_fill(~attend, -math.inf)[:, None]
+            prefill_mask = torch.zeros(attend.shape, dtype=self.dtype, device=dev).masked_fill(~attend, -math.inf)[
+                :, None
+            ]
 
         # Prefill each distinct prompt once, into the cache rows of its first sample (rows 0, n, 2n, ...),
         # then copy those slots to the prompt's other n - 1 rows.
@@ -501,9 +586,13 @@ class EmbeddedEngine:
         if cut:
             q_slot, key = torch.arange(cut, P, device=dev)[:, None], torch.arange(P, device=dev)
             attend = (key <= q_slot) & valid[::n, None, :P] | (key == q_slot)  # a pad query sees itself, as above
-            prefill_mask = torch.zeros(attend.shape, dtype=self.dtype, device=dev).masked_fill(~attend, -math.inf)[:, None]
+            prefill_mask = torch.zeros(attend.shape, dtype=self.dtype, device=dev).masked_fill(~attend, -math.inf)[
+                :, None
+            ]
         self.prefill_tokens += sum(min(len(p), P - cut) for p in prompts)
-        h = self.lm.forward(ids[:, cut:].to(dev), pos[::n, cut:P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], cut, routes)
+        h = self.lm.forward(
+            ids[:, cut:].to(dev), pos[::n, cut:P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], cut, routes
+        )
         if n > 1:
             for cache in (c for pair in kv for c in pair):
                 grouped = cache.view(B // n, n, *cache.shape[1:])[:, :, :, :P]
@@ -541,14 +630,18 @@ class EmbeddedEngine:
         mask = alive[:, :T]
         finish = ["stop" if d else "length" for d in done.tolist()]
         routing = None
-        if routes is not None:  # [B, width + T, L, k]: prompt (its pads -1), response tokens 0 .. T-2, -1 for the last one
+        if (
+            routes is not None
+        ):  # [B, width + T, L, k]: prompt (its pads -1), response tokens 0 .. T-2, -1 for the last one
             pre = torch.stack(routes, 2).repeat_interleave(n, dim=0).masked_fill(~valid[:, :P, None, None], -1)
             dec = torch.cat(steps + [torch.full_like(pre[:, :1], -1)], 1).masked_fill(~mask[:, :, None, None], -1)
             routing = F.pad(torch.cat([pre, dec], 1), (0, 0, 0, 0, width - P, 0), value=-1).cpu()
         lens = mask.sum(1).tolist()  # a row's tokens are a prefix: it stops at its stop token
         tokens, logp = tokens.cpu(), logp.cpu()
         for b, k in enumerate(lens if self.prefix_cache else []):  # the slots written: prompt and response[:-1]
-            kept[tuple(prompts[b // n] + tokens[b, : k - 1].tolist())] = slots[:, :, b, :, int(n_pad[b]) : P + k - 1].clone()
+            kept[tuple(prompts[b // n] + tokens[b, : k - 1].tolist())] = slots[
+                :, :, b, :, int(n_pad[b]) : P + k - 1
+            ].clone()
         return [x[:k] for x, k in zip(tokens, lens)], [x[:k] for x, k in zip(logp, lens)], finish, routing
 
 
@@ -565,11 +658,21 @@ def make_engine(cfg, path: str, device: torch.device) -> Engine:
 
         # Colocated on this rank's GPU: the engine gets a fixed share, the trainer the rest (the engine's
         # memory is released in sleep() during training, but its reservation is sized at start).
-        gpu = dict(base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION) if device.type == "cuda" else {}
+        gpu = (
+            dict(base_gpu_id=device.index, mem_fraction_static=SGLANG_GPU_MEM_FRACTION) if device.type == "cuda" else {}
+        )
         # --seed seeds SGLang's sampling stream (on CPU the only seed it honours; see sglang_engine's docstring).
-        return SGLangEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed, **gpu)
-    return EmbeddedEngine(path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=device, moe_flip=cfg.moe_flip,
-                          prefix_cache=cfg.prefix_cache)
+        return SGLangEngine(
+            path, dtype=cfg.engine_dtype, kv_cache_dtype=cfg.kv_cache_dtype, random_seed=cfg.seed, **gpu
+        )
+    return EmbeddedEngine(
+        path,
+        dtype=cfg.engine_dtype,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        device=device,
+        moe_flip=cfg.moe_flip,
+        prefix_cache=cfg.prefix_cache,
+    )
 
 
 def push_weights(policy, engine: Engine | None) -> None:

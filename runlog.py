@@ -83,7 +83,10 @@ class Metrics:
     def reduce(self) -> dict[str, float]:
         """Collective: every rank calls it, with the same add() keys."""
         keys = sorted(self.values)
-        pick = lambda k, v: v.max() if k.endswith("_max") else v.min() if k.endswith("_min") else v.mean()  # noqa: E731
+
+        def pick(k, v):
+            return v.max() if k.endswith("_max") else v.min() if k.endswith("_min") else v.mean()
+
         vals = torch.stack([pick(k, torch.stack(self.values[k])) for k in keys]) if keys else torch.zeros(0)
         ratio_keys = sorted(self.ratios)
         if dist.is_initialized():
@@ -122,8 +125,17 @@ K3_SLOPE_WINDOW = 10  # steps in mismatch/k3_slope (losses.window_slope), logged
 class RunLog:
     """Rank 0 writes; other ranks' calls are no-ops. ``history`` holds every logged row (for the plots)."""
 
-    def __init__(self, out_dir: str, rank: int, config: dict, resume_step: int, wandb: bool = False, tensorboard: bool = False,
-                 changes: dict | None = None, inputs: dict | None = None):
+    def __init__(
+        self,
+        out_dir: str,
+        rank: int,
+        config: dict,
+        resume_step: int,
+        wandb: bool = False,
+        tensorboard: bool = False,
+        changes: dict | None = None,
+        inputs: dict | None = None,
+    ):
         """changes: the options (and inputs) a resume changed, {name: [old, new]}; config.json keeps a list of them
         ("resumes"). inputs: the run's input fingerprints (input_fingerprints), recorded for the next resume to compare."""
         self.dir, self.rank, self.history = out_dir, rank, []
@@ -136,7 +148,14 @@ class RunLog:
             resumes = _recorded(out_dir).get("resumes", [])
         if changes:
             resumes.append({"step": resume_step, "changed": changes})
-        meta = {"config": config, "inputs": inputs, "resumes": resumes, "git": _git_revision(), "argv": sys.argv, "versions": _versions()}
+        meta = {
+            "config": config,
+            "inputs": inputs,
+            "resumes": resumes,
+            "git": _git_revision(),
+            "argv": sys.argv,
+            "versions": _versions(),
+        }
         _atomic_write(os.path.join(out_dir, "config.json"), json.dumps(meta, indent=1))
         path = os.path.join(out_dir, "metrics.jsonl")
         if os.path.exists(path):  # keep what the checkpoint we resume from had seen; drop what came after it
@@ -156,9 +175,15 @@ class RunLog:
     def log(self, row: dict) -> None:
         if self.rank != 0:
             return
-        if "mismatch/k3" in row and "pretrain/step" not in row:  # k3's trend over the last K3_SLOPE_WINDOW steps (issue: collapse)
-            ks = [r["mismatch/k3"] for r in self.history if "mismatch/k3" in r and "pretrain/step" not in r][1 - K3_SLOPE_WINDOW:]
-            row.update({"mismatch/k3_slope": losses.window_slope(ks + [row["mismatch/k3"]])} if ks else {})  # from the 2nd step
+        if (
+            "mismatch/k3" in row and "pretrain/step" not in row
+        ):  # k3's trend over the last K3_SLOPE_WINDOW steps (issue: collapse)
+            ks = [r["mismatch/k3"] for r in self.history if "mismatch/k3" in r and "pretrain/step" not in r][
+                1 - K3_SLOPE_WINDOW :
+            ]
+            row.update(
+                {"mismatch/k3_slope": losses.window_slope(ks + [row["mismatch/k3"]])} if ks else {}
+            )  # from the 2nd step
         self.history.append(row)
         with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -171,8 +196,11 @@ class RunLog:
 
     def progress(self, row: dict) -> None:
         self.bar.update(1)
-        self.bar.set_postfix(reward=f"{row['rollout/reward_mean']:.2f}", acc=f"{row.get('eval/greedy_acc', float('nan')):.2f}",
-                             masked=f"{row['mismatch/masked_frac']:.2%}")
+        self.bar.set_postfix(
+            reward=f"{row['rollout/reward_mean']:.2f}",
+            acc=f"{row.get('eval/greedy_acc', float('nan')):.2f}",
+            masked=f"{row['mismatch/masked_frac']:.2%}",
+        )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -191,8 +219,14 @@ class RunLog:
             import wandb as wb
 
             columns = list(dict.fromkeys(k for r in records for k in r))
-            cell = lambda v: v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v, default=repr)  # noqa: E731
-            wb.log({"eval/samples": wb.Table(columns=columns, data=[[cell(r.get(c)) for c in columns] for r in records])}, step=step)
+
+            def cell(v):
+                return v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v, default=repr)
+
+            wb.log(
+                {"eval/samples": wb.Table(columns=columns, data=[[cell(r.get(c)) for c in columns] for r in records])},
+                step=step,
+            )
 
     def plot(self) -> None:
         """One PNG per panel, redrawn from the whole history; one family of quantities (one unit) per axis."""
@@ -205,16 +239,51 @@ class RunLog:
 
         rl = [row for row in self.history if "pretrain/step" not in row]
         pre = [row for row in self.history if "pretrain/step" in row]
-        ev_pos = sorted({k for row in rl for k in row if k.startswith("critic/ev_pos_")}, key=lambda k: int(k.split("_")[-1].split("-")[0]))
+        ev_pos = sorted(
+            {k for row in rl for k in row if k.startswith("critic/ev_pos_")},
+            key=lambda k: int(k.split("_")[-1].split("-")[0]),
+        )
         panels = {  # file -> (rows, x key, [(y label, keys), ...]): one subplot per family
-            "reward": (rl, "step", [("reward / accuracy", ["rollout/reward_mean", "eval/greedy_acc", "eval/sampled_acc"])]),
-            "mismatch": (rl, "step", [("KL estimate (nats/token)", ["mismatch/k1", "mismatch/k3"]),
-                                      ("fraction of tokens", ["mismatch/masked_frac", "mismatch/masked_frac_low", "mismatch/masked_frac_high"])]),
-            "collapse": (rl, "step", [("effective sample size", ["mismatch/ess", "mismatch/seq_ess"]), ("max |log k|", ["mismatch/abs_diff_max"]),
-                                      ("k3 slope per step", ["mismatch/k3_slope"]), ("policy", ["ppo/grad_norm", "ppo/entropy"])]),
-            "critic": (rl, "step", [("explained variance", ["critic/explained_variance", *ev_pos]),
-                                    ("value loss", ["critic/value_loss"]), ("mean value", ["critic/value_mean"])]),
-            "critic_pretrain": (pre, "pretrain/step", [("explained variance", ["critic/explained_variance"]), ("value loss", ["critic/value_loss"])]),
+            "reward": (
+                rl,
+                "step",
+                [("reward / accuracy", ["rollout/reward_mean", "eval/greedy_acc", "eval/sampled_acc"])],
+            ),
+            "mismatch": (
+                rl,
+                "step",
+                [
+                    ("KL estimate (nats/token)", ["mismatch/k1", "mismatch/k3"]),
+                    (
+                        "fraction of tokens",
+                        ["mismatch/masked_frac", "mismatch/masked_frac_low", "mismatch/masked_frac_high"],
+                    ),
+                ],
+            ),
+            "collapse": (
+                rl,
+                "step",
+                [
+                    ("effective sample size", ["mismatch/ess", "mismatch/seq_ess"]),
+                    ("max |log k|", ["mismatch/abs_diff_max"]),
+                    ("k3 slope per step", ["mismatch/k3_slope"]),
+                    ("policy", ["ppo/grad_norm", "ppo/entropy"]),
+                ],
+            ),
+            "critic": (
+                rl,
+                "step",
+                [
+                    ("explained variance", ["critic/explained_variance", *ev_pos]),
+                    ("value loss", ["critic/value_loss"]),
+                    ("mean value", ["critic/value_mean"]),
+                ],
+            ),
+            "critic_pretrain": (
+                pre,
+                "pretrain/step",
+                [("explained variance", ["critic/explained_variance"]), ("value loss", ["critic/value_loss"])],
+            ),
             "time": (rl, "step", [("seconds", sorted({k for row in rl for k in row if k.startswith("time/")}))]),
         }
         for name, (rows, x, axes) in panels.items():
@@ -256,7 +325,9 @@ def _read_metrics(path: str) -> list[dict]:
 def _git_revision() -> str:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -264,7 +335,11 @@ def _git_revision() -> str:
 def _versions() -> dict:
     from importlib.metadata import distributions
 
-    return {d.metadata["Name"]: d.version for d in distributions() if d.metadata["Name"] in ("torch", "transformers", "datasets", "sglang")}
+    return {
+        d.metadata["Name"]: d.version
+        for d in distributions()
+        if d.metadata["Name"] in ("torch", "transformers", "datasets", "sglang")
+    }
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -325,7 +400,14 @@ def checkpoint_problem(ckpt: str, algo: str = "ppo") -> str | None:
 def _checkpoint_names(out_dir: str) -> list[str]:
     """Every step_* folder under checkpoints/, newest first: each is a checkpoint, intact or damaged."""
     root = os.path.join(out_dir, "checkpoints")
-    return sorted((d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith("step_") and os.path.isdir(os.path.join(root, d))), reverse=True)
+    return sorted(
+        (
+            d
+            for d in (os.listdir(root) if os.path.isdir(root) else [])
+            if d.startswith("step_") and os.path.isdir(os.path.join(root, d))
+        ),
+        reverse=True,
+    )
 
 
 def latest_checkpoint(out_dir: str, algo: str = "ppo") -> str | None:
@@ -336,7 +418,10 @@ def latest_checkpoint(out_dir: str, algo: str = "ppo") -> str | None:
         path = os.path.join(out_dir, "checkpoints", name)
         if (bad := checkpoint_problem(path, algo)) is None:
             if damaged:
-                print(f"note: resuming from {name}, the newest intact checkpoint; skipped damaged " + "; ".join(damaged), flush=True)
+                print(
+                    f"note: resuming from {name}, the newest intact checkpoint; skipped damaged " + "; ".join(damaged),
+                    flush=True,
+                )
             return path
         damaged.append(f"{name} ({bad})")
     return None
@@ -353,22 +438,47 @@ def check_fresh_start(out_dir: str, algo: str = "ppo") -> None:
     if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
         try:
             steps = [row.get("step") for row in _read_metrics(metrics) if isinstance(row, dict)]
-            found.append(f"metrics.jsonl ({len(steps)} rows, up to step {max((s for s in steps if isinstance(s, int)), default='?')})")
+            found.append(
+                f"metrics.jsonl ({len(steps)} rows, up to step {max((s for s in steps if isinstance(s, int)), default='?')})"
+            )
         except ValueError as e:
             found.append(f"metrics.jsonl ({e})")
     if os.path.isdir(samples := os.path.join(out_dir, "samples")) and os.listdir(samples):
         found.append(f"samples/ ({len(os.listdir(samples))} files)")
-    found += [f"checkpoints/{name} ({checkpoint_problem(os.path.join(out_dir, 'checkpoints', name), algo)})" for name in _checkpoint_names(out_dir)]
+    found += [
+        f"checkpoints/{name} ({checkpoint_problem(os.path.join(out_dir, 'checkpoints', name), algo)})"
+        for name in _checkpoint_names(out_dir)
+    ]
     if found:
-        raise RuntimeError(f"--out-dir {out_dir} holds a run's records but no usable checkpoint to resume from: " + "; ".join(found)
-                           + ". Starting afresh would overwrite them: use a new --out-dir, or remove those files (config.json, "
-                           "metrics.jsonl, samples/, checkpoints/) to start over in this folder")
+        raise RuntimeError(
+            f"--out-dir {out_dir} holds a run's records but no usable checkpoint to resume from: "
+            + "; ".join(found)
+            + ". Starting afresh would overwrite them: use a new --out-dir, or remove those files (config.json, "
+            "metrics.jsonl, samples/, checkpoints/) to start over in this folder"
+        )
 
 
 # What a resume may change: options that do not change what the run means (its length, evaluation, logging,
 # checkpointing, the user-code time limit) and the learning rates, applied for real to the optimisers (to resume after a blow-up).
-RESUMABLE = ("steps", "eval_every", "eval_size", "eval_dtype", "eval_task", "eval_split", "eval_samples", "save_every", "keep_checkpoints",
-             "wandb", "tensorboard", "lr", "critic_lr", "max_bad_steps", "deterministic", "accept_changed_inputs", "user_timeout")
+RESUMABLE = (
+    "steps",
+    "eval_every",
+    "eval_size",
+    "eval_dtype",
+    "eval_task",
+    "eval_split",
+    "eval_samples",
+    "save_every",
+    "keep_checkpoints",
+    "wandb",
+    "tensorboard",
+    "lr",
+    "critic_lr",
+    "max_bad_steps",
+    "deterministic",
+    "accept_changed_inputs",
+    "user_timeout",
+)
 
 
 def read_json(path: str, fix: str):
@@ -383,10 +493,14 @@ def read_json(path: str, fix: str):
 def _recorded(out_dir: str) -> dict:  # config.json, checked
     path = os.path.join(out_dir, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"{path} is missing, so a resume cannot check that its options match the run's; restore it or use a new --out-dir")
+        raise ValueError(
+            f"{path} is missing, so a resume cannot check that its options match the run's; restore it or use a new --out-dir"
+        )
     meta = read_json(path, "restore it from a copy, or use a new --out-dir")
     if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
-        raise ValueError(f"{path} has no \"config\" object (it is not this project's run record); restore it or use a new --out-dir")
+        raise ValueError(
+            f'{path} has no "config" object (it is not this project\'s run record); restore it or use a new --out-dir'
+        )
     return meta
 
 
@@ -398,28 +512,46 @@ def check_resume(cfg, ckpt: str, world_size: int) -> dict:
     a file moved elsewhere is left to check_inputs (same content: the same input)."""
     meta = read_json(os.path.join(ckpt, "meta.json"), "remove that checkpoint folder to resume from the one before")
     if meta["world_size"] != world_size:
-        raise ValueError(f"checkpoint {ckpt} was written by {meta['world_size']} processes, this run has {world_size}; resume with the same launch")
+        raise ValueError(
+            f"checkpoint {ckpt} was written by {meta['world_size']} processes, this run has {world_size}; resume with the same launch"
+        )
     record = _recorded(cfg.out_dir)
     if os.path.isfile(metrics := os.path.join(cfg.out_dir, "metrics.jsonl")):
         _read_metrics(metrics)  # a bad line mid-file is named now, before any model loads
     recorded, inputs = record["config"], record.get("inputs") or {}
-    defaults = {f.name: f.default for f in fields(cfg) if f.default is not MISSING}  # an option newer than the run: its default
-    changed = {k: [recorded.get(k), v] for k, v in asdict(cfg).items() if k != "out_dir" and recorded.get(k, defaults.get(k, MISSING)) != v}
+    defaults = {
+        f.name: f.default for f in fields(cfg) if f.default is not MISSING
+    }  # an option newer than the run: its default
+    changed = {
+        k: [recorded.get(k), v]
+        for k, v in asdict(cfg).items()
+        if k != "out_dir" and recorded.get(k, defaults.get(k, MISSING)) != v
+    }
     for k in set(changed) & set(PATH_OPTIONS):
         old, new = changed[k]
         now, before = input_path(k, new), inputs.get(k, {}).get("path")
-        if now is None or not isinstance(old, str) or (k in ("reward", "env") and old.rpartition(":")[2] != new.rpartition(":")[2]):
+        if (
+            now is None
+            or not isinstance(old, str)
+            or (k in ("reward", "env") and old.rpartition(":")[2] != new.rpartition(":")[2])
+        ):
             continue  # not a file now (a built-in task, a hub dataset), or another function of the file
         if now == before or (k != "model" and before is not None):
             del changed[k]  # the same file; or moved, for check_inputs to compare by content
-    refused = [f"--{k.replace('_', '-')} {'(not recorded)' if k not in recorded else repr(old)} -> {new!r}"
-               for k, (old, new) in changed.items() if k not in RESUMABLE]
+    refused = [
+        f"--{k.replace('_', '-')} {'(not recorded)' if k not in recorded else repr(old)} -> {new!r}"
+        for k, (old, new) in changed.items()
+        if k not in RESUMABLE
+    ]
     if cfg.steps < meta["step"]:
         refused.append(f"--steps {cfg.steps} is below the checkpoint's step {meta['step']}")
     if refused:
-        raise ValueError(f"--out-dir {cfg.out_dir} holds a run (checkpoint at step {meta['step']}) that this resume would change: "
-                         + "; ".join(refused) + ". Resume with the recorded options, or use a new --out-dir. A resume may change only "
-                         + ", ".join("--" + k.replace("_", "-") for k in RESUMABLE))
+        raise ValueError(
+            f"--out-dir {cfg.out_dir} holds a run (checkpoint at step {meta['step']}) that this resume would change: "
+            + "; ".join(refused)
+            + ". Resume with the recorded options, or use a new --out-dir. A resume may change only "
+            + ", ".join("--" + k.replace("_", "-") for k in RESUMABLE)
+        )
     if changed:
         print0(f"resume: applying changed options {changed}")
     return changed
@@ -427,9 +559,21 @@ def check_resume(cfg, ckpt: str, world_size: int) -> dict:
 
 # ----------------------------------------------------------------------------- the run's inputs, by content
 
-PATH_OPTIONS = ("model", "task", "eval_task", "reward", "env")  # options that name files: compared by resolved path / content
-_LABELS = {"task": "--task", "eval_task": "--eval-task", "reward": "--reward's file", "env": "--env's file",
-           "train_split": "the train split", "test_split": "the held-out split"}
+PATH_OPTIONS = (
+    "model",
+    "task",
+    "eval_task",
+    "reward",
+    "env",
+)  # options that name files: compared by resolved path / content
+_LABELS = {
+    "task": "--task",
+    "eval_task": "--eval-task",
+    "reward": "--reward's file",
+    "env": "--env's file",
+    "train_split": "the train split",
+    "test_split": "the held-out split",
+}
 
 
 def input_path(key: str, spec: str) -> str | None:
@@ -453,8 +597,11 @@ def _sha256_path(path: str) -> str:
     """sha256 of a file; of a folder, of its files' relative paths and bytes (datasets' cache-*.arrow map caches and
     hidden files left out: datasets writes them into the folder it loads)."""
     h = hashlib.sha256()
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if not f.startswith((".", "cache-")))
+    files = (
+        [path]
+        if os.path.isfile(path)
+        else sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if not f.startswith((".", "cache-")))
+    )
     for file in files:
         h.update(os.path.relpath(file, path).encode() + b"\0")
         with open(file, "rb") as f:
@@ -477,9 +624,18 @@ def input_fingerprints(cfg, task) -> dict:
     """The run's inputs by content, recorded in config.json ("inputs"): {"path", "sha256"} of --task and --eval-task
     when they are files or folders and of the files of --reward and --env; {"rows", "sha256"} of the train and the
     held-out split as loaded (for a built-in task only these: its rows are generated); the resolved --model folder."""
-    out = {k: {"path": path} if k == "model" else {"path": path, "sha256": _sha256_path(path)} for k in PATH_OPTIONS
-           if (path := input_path(k, getattr(cfg, k))) is not None}
-    return {**out, **{k: {"rows": len(ds), "sha256": _sha256_rows(ds)} for k, ds in (("train_split", task.train), ("test_split", task.test))}}
+    out = {
+        k: {"path": path} if k == "model" else {"path": path, "sha256": _sha256_path(path)}
+        for k in PATH_OPTIONS
+        if (path := input_path(k, getattr(cfg, k))) is not None
+    }
+    return {
+        **out,
+        **{
+            k: {"rows": len(ds), "sha256": _sha256_rows(ds)}
+            for k, ds in (("train_split", task.train), ("test_split", task.test))
+        },
+    }
 
 
 def check_inputs(cfg, now: dict, changes: dict) -> dict:
@@ -488,7 +644,9 @@ def check_inputs(cfg, now: dict, changes: dict) -> dict:
     is the same input. Returns the differences accepted, {"inputs/<name>": [recorded, now]}, for config.json's "resumes"
     (a changed --eval-task / --eval-split, in the resume's `changes`, may change the held-out split)."""
     recorded, out = _recorded(cfg.out_dir).get("inputs"), {}
-    refused = [] if recorded is not None else ["config.json records no fingerprints (a run from before they were recorded)"]
+    refused = (
+        [] if recorded is not None else ["config.json records no fingerprints (a run from before they were recorded)"]
+    )
     skip = {"model"} | ({"eval_task", "test_split"} if {"eval_task", "eval_split"} & set(changes) else set())
     for k in sorted((set(recorded or {}) | set(now)) - skip):
         old, new = (recorded or {}).get(k) or {}, now.get(k) or {}
@@ -497,12 +655,20 @@ def check_inputs(cfg, now: dict, changes: dict) -> dict:
                 out[f"inputs/{k}"] = [old.get("path"), new.get("path")]  # moved, same content
             continue
         out[f"inputs/{k}"] = [old, new]
-        what = lambda fp: f"{fp['rows']} rows" if "rows" in fp else fp.get("path", "(none)")  # noqa: E731
-        refused.append(f"{_LABELS[k]}: {what(old)} (sha256 {str(old.get('sha256'))[:12]}) recorded, {what(new)} (sha256 {str(new.get('sha256'))[:12]}) now")
+
+        def what(fp):
+            return f"{fp['rows']} rows" if "rows" in fp else fp.get("path", "(none)")
+
+        refused.append(
+            f"{_LABELS[k]}: {what(old)} (sha256 {str(old.get('sha256'))[:12]}) recorded, {what(new)} (sha256 {str(new.get('sha256'))[:12]}) now"
+        )
     if refused and not cfg.accept_changed_inputs:
-        raise ValueError(f"--out-dir {cfg.out_dir}: the run's inputs changed since it was launched: " + "; ".join(refused)
-                         + ". Resume with the run's inputs, pass --accept-changed-inputs to go on with these (recorded in config.json), "
-                         "or use a new --out-dir")
+        raise ValueError(
+            f"--out-dir {cfg.out_dir}: the run's inputs changed since it was launched: "
+            + "; ".join(refused)
+            + ". Resume with the run's inputs, pass --accept-changed-inputs to go on with these (recorded in config.json), "
+            "or use a new --out-dir"
+        )
     if refused:
         print0("resume: --accept-changed-inputs: going on with changed inputs: " + "; ".join(refused))
     return out
@@ -518,8 +684,10 @@ def lock_run_dir(out_dir: str):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        raise RuntimeError(f"--out-dir {out_dir} is in use by a live run ({f.read().strip() or 'unknown process'}); "
-                           "wait for it or stop it, or choose another --out-dir") from None
+        raise RuntimeError(
+            f"--out-dir {out_dir} is in use by a live run ({f.read().strip() or 'unknown process'}); "
+            "wait for it or stop it, or choose another --out-dir"
+        ) from None
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
@@ -529,10 +697,17 @@ def lock_run_dir(out_dir: str):
 def _save_hf(model, path: str, rank: int, tokenizer=None) -> None:
     """A Hugging Face folder (config + model.safetensors) from the full weights; every TP rank gathers. MoE experts are
     written one by one under the checkpoint's names (what from_pretrained, SGLang and vLLM load)."""
-    state = {n: t.to("cpu", copy=True) for bucket in full_weights(model) for pair in bucket for n, t in checkpoint_tensors(*pair)}
+    state = {
+        n: t.to("cpu", copy=True)
+        for bucket in full_weights(model)
+        for pair in bucket
+        for n, t in checkpoint_tensors(*pair)
+    }
     if rank == 0:
         os.makedirs(path)
-        model.config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames the class FSDP<name>
+        model.config.architectures = [
+            type(model).__name__.removeprefix("FSDP")
+        ]  # fully_shard renames the class FSDP<name>
         model.config.save_pretrained(path)
         save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         if getattr(model, "generation_config", None) is not None and model.can_generate():
@@ -544,7 +719,9 @@ def _save_hf(model, path: str, rank: int, tokenizer=None) -> None:
 def _local_optimizer_state(opt: torch.optim.Optimizer) -> dict:
     """Optimizer state with DTensors replaced by this rank's shard (plain tensors pickle anywhere)."""
     sd = opt.state_dict()
-    sd["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()} for i, s in sd["state"].items()}
+    sd["state"] = {
+        i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()} for i, s in sd["state"].items()
+    }
     return sd
 
 
@@ -554,12 +731,29 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, sd: dict) -> None:
         p = params[i]
         if isinstance(p, DTensor):
             # shape and stride given: an FSDP shard can be uneven (the last dp rank's rows fewer), which from_local cannot infer
-            s.update({k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                      for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+            s.update(
+                {
+                    k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                    for k, v in s.items()
+                    if torch.is_tensor(v) and v.dim() > 0
+                }
+            )
     opt.load_state_dict(sd)
 
 
-def save_checkpoint(out_dir: str, step: int, rank: int, world_size: int, keep: int, *, policy, critic, tokenizer, optimizers: dict, extra: dict) -> str:
+def save_checkpoint(
+    out_dir: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    keep: int,
+    *,
+    policy,
+    critic,
+    tokenizer,
+    optimizers: dict,
+    extra: dict,
+) -> str:
     """Write checkpoints/step_{step}: policy/ and critic/ as HF folders (rank 0), each rank's optimizer and
     RNG states, meta.json last, then rename into place. Collective: all ranks call it."""
     root = os.path.join(out_dir, "checkpoints")
@@ -572,13 +766,19 @@ def save_checkpoint(out_dir: str, step: int, rank: int, world_size: int, keep: i
     _save_hf(policy, os.path.join(tmp, "policy"), rank, tokenizer)
     if critic is not None:
         _save_hf(critic, os.path.join(tmp, "critic"), rank)
-    state = {"step": step, "optimizers": {k: _local_optimizer_state(o) for k, o in optimizers.items()},
-             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, **extra}
+    state = {
+        "step": step,
+        "optimizers": {k: _local_optimizer_state(o) for k, o in optimizers.items()},
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        **extra,
+    }
     torch.save(state, os.path.join(tmp, f"trainer_rank{rank}.pt"))
     _barrier()
     if rank == 0:
         models = ["policy"] + (["critic"] if critic is not None else [])  # what checkpoint_problem checks
-        _atomic_write(os.path.join(tmp, "meta.json"), json.dumps({"step": step, "world_size": world_size, "models": models}))
+        _atomic_write(
+            os.path.join(tmp, "meta.json"), json.dumps({"step": step, "world_size": world_size, "models": models})
+        )
         shutil.rmtree(final, ignore_errors=True)  # only when re-saving a step; older checkpoints stay usable meanwhile
         os.replace(tmp, final)
         done = sorted(d for d in os.listdir(root) if d.startswith("step_"))

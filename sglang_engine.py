@@ -96,13 +96,25 @@ class SGLangEngine:
     server_args: passed on to sglang.Engine (e.g. tp_size, mem_fraction_static, enable_deterministic_inference).
     """
 
-    def __init__(self, model_path: str, *, dtype: str = "fp32", kv_cache_dtype: str = "auto",
-                 max_total_tokens: int | None = None, bucket_bytes: int = 1 << 29, cpu_threads: int = 1,
-                 random_seed: int = 0, log_level: str = "warning", **server_args):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "fp32",
+        kv_cache_dtype: str = "auto",
+        max_total_tokens: int | None = None,
+        bucket_bytes: int = 1 << 29,
+        cpu_threads: int = 1,
+        random_seed: int = 0,
+        log_level: str = "warning",
+        **server_args,
+    ):
         if dtype == "int4":
-            raise ValueError("SGLangEngine: dtype 'int4' has no SGLang 0.5.23 counterpart: there is no torchao_config "
-                             "option (torchao 'int4wo-32'), and --quantization gptq / awq load pre-quantised checkpoints "
-                             "that update_weights cannot refresh; use EmbeddedEngine(dtype='int4')")
+            raise ValueError(
+                "SGLangEngine: dtype 'int4' has no SGLang 0.5.23 counterpart: there is no torchao_config "
+                "option (torchao 'int4wo-32'), and --quantization gptq / awq load pre-quantised checkpoints "
+                "that update_weights cannot refresh; use EmbeddedEngine(dtype='int4')"
+            )
         if dtype not in DTYPES:
             raise ValueError(f"SGLangEngine: dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if not os.path.isfile(os.path.join(model_path, "config.json")):
@@ -119,10 +131,16 @@ class SGLangEngine:
         self.dtype, self.bucket_bytes = DTYPES[dtype], bucket_bytes
 
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        args = dict(model_path=model_path, dtype=SGLANG_DTYPES[dtype], device=self.device, random_seed=random_seed,
-                    skip_tokenizer_init=True, log_level=log_level,
-                    # top-p alone is sent as top_k = vocab size; its sampling mask may then hold the whole vocabulary.
-                    sampling_mask_max_tokens=max(self.vocab_size, 4096))
+        args = dict(
+            model_path=model_path,
+            dtype=SGLANG_DTYPES[dtype],
+            device=self.device,
+            random_seed=random_seed,
+            skip_tokenizer_init=True,
+            log_level=log_level,
+            # top-p alone is sent as top_k = vocab size; its sampling mask may then hold the whole vocabulary.
+            sampling_mask_max_tokens=max(self.vocab_size, 4096),
+        )
         if self.device == "cpu":
             args.update(attention_backend="torch_native", max_total_tokens=max_total_tokens or CPU_MAX_TOTAL_TOKENS)
         else:
@@ -133,10 +151,12 @@ class SGLangEngine:
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read once (lru_cache): before the first sglang import
         import sglang
 
-        env = {"OMP_NUM_THREADS": str(cpu_threads),
-               # Under torchrun this makes SGLang's own process group join torchrun's agent store: its
-               # scheduler then hangs at start-up.
-               "TORCHELASTIC_USE_AGENT_STORE": None}
+        env = {
+            "OMP_NUM_THREADS": str(cpu_threads),
+            # Under torchrun this makes SGLang's own process group join torchrun's agent store: its
+            # scheduler then hangs at start-up.
+            "TORCHELASTIC_USE_AGENT_STORE": None,
+        }
 
         with _environment(env):  # the spawned processes copy the environment at start
             self._engine = sglang.Engine(**args)
@@ -154,17 +174,26 @@ class SGLangEngine:
         top_k = self._top_k(sampling)
         filtered = top_k > 0 or sampling.top_p < 1.0
         native_stop = self.eos_ids <= set(sampling.stop_token_ids)
-        params = [dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                       top_p=sampling.top_p,
-                       # SGLang: -1 = off; a finite top_k is what return_sampling_mask needs (see module docstring).
-                       top_k=top_k or (self.vocab_size if filtered else -1),
-                       stop_token_ids=list(sampling.stop_token_ids), ignore_eos=not native_stop,
-                       sampling_seed=(sampling.row_seed(r) * _SEED_MIX) % 2**63)
-                  for r in range(len(rows))]
+        params = [
+            dict(
+                max_new_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                # SGLang: -1 = off; a finite top_k is what return_sampling_mask needs (see module docstring).
+                top_k=top_k or (self.vocab_size if filtered else -1),
+                stop_token_ids=list(sampling.stop_token_ids),
+                ignore_eos=not native_stop,
+                sampling_seed=(sampling.row_seed(r) * _SEED_MIX) % 2**63,
+            )
+            for r in range(len(rows))
+        ]
         # Engine.generate without its missing return_sampling_mask argument (sglang/srt/entrypoints/engine.py:433).
-        req = GenerateReqInput(input_ids=rows, sampling_params=params, return_logprob=True,
-                               return_sampling_mask=filtered)
-        outs = self._engine.loop.run_until_complete(self._engine.tokenizer_manager.generate_request(req, None).__anext__())
+        req = GenerateReqInput(
+            input_ids=rows, sampling_params=params, return_logprob=True, return_sampling_mask=filtered
+        )
+        outs = self._engine.loop.run_until_complete(
+            self._engine.tokenizer_manager.generate_request(req, None).__anext__()
+        )
 
         stop = set(sampling.stop_token_ids)
         toks, logps, reasons = [], [], []
@@ -198,10 +227,13 @@ class SGLangEngine:
             raise NotImplementedError(
                 "SGLangEngine: top_k and top_p together are refused: SGLang cuts the nucleus on the cumulative "
                 "mass before top-k renormalisation (sglang/srt/layers/sampler.py:827), losses.process_logits after "
-                "it, so engine and trainer would keep different tokens. Use one of them.")
+                "it, so engine and trainer would keep different tokens. Use one of them."
+            )
         if sampling.temperature < SGLANG_GREEDY_TEMPERATURE:
-            raise ValueError(f"SGLangEngine: temperature {sampling.temperature} < {SGLANG_GREEDY_TEMPERATURE} is greedy "
-                             "in SGLang, whose log-prob is then at temperature 1; use top_k=1 for greedy decoding")
+            raise ValueError(
+                f"SGLangEngine: temperature {sampling.temperature} < {SGLANG_GREEDY_TEMPERATURE} is greedy "
+                "in SGLang, whose log-prob is then at temperature 1; use top_k=1 for greedy decoding"
+            )
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -232,7 +264,9 @@ class SGLangEngine:
     def _buckets(self, named_tensors: Iterable[tuple[str, Tensor]]):
         """Checked copies in the engine dtype, grouped into lists of about bucket_bytes."""
         bucket, size = [], 0
-        for name, t in (pair for named in named_tensors for pair in checkpoint_tensors(*named)):  # MoE: experts one by one
+        for name, t in (
+            pair for named in named_tensors for pair in checkpoint_tensors(*named)
+        ):  # MoE: experts one by one
             if name == "lm_head.weight" and self.tied:
                 continue  # the embedding itself; SGLang skips it too
             self._check_weight(name, t)
@@ -251,11 +285,15 @@ class SGLangEngine:
 
     def _check_weight(self, name: str, t: Tensor) -> None:
         if name not in self.shapes:
-            raise KeyError(f"SGLangEngine.update_weights: unknown parameter {name!r} (expected the checkpoint's "
-                           f"names, e.g. {next(iter(self.shapes))!r})")
+            raise KeyError(
+                f"SGLangEngine.update_weights: unknown parameter {name!r} (expected the checkpoint's "
+                f"names, e.g. {next(iter(self.shapes))!r})"
+            )
         if tuple(t.shape) != self.shapes[name]:
-            raise ValueError(f"SGLangEngine.update_weights: {name!r} has shape {tuple(t.shape)}, "
-                             f"the checkpoint {self.shapes[name]} (pass full, unsharded tensors)")
+            raise ValueError(
+                f"SGLangEngine.update_weights: {name!r} has shape {tuple(t.shape)}, "
+                f"the checkpoint {self.shapes[name]} (pass full, unsharded tensors)"
+            )
 
     def check_weights(self, named_tensors: Iterable[tuple[str, Tensor]], atol: float = 0.0) -> None:
         """Raise ValueError naming the first parameter whose engine copy differs from the given tensor
@@ -272,8 +310,10 @@ class SGLangEngine:
             want = t.detach().to(self.dtype).float().cpu()
             diff = (torch.tensor(got, dtype=torch.float32) - want).abs().max().item()
             if not diff <= atol:
-                raise ValueError(f"SGLangEngine.check_weights: {name!r} differs from the engine's copy "
-                                 f"(max abs diff {diff:.3g} > atol {atol})")
+                raise ValueError(
+                    f"SGLangEngine.check_weights: {name!r} differs from the engine's copy "
+                    f"(max abs diff {diff:.3g} > atol {atol})"
+                )
 
     # ---- memory and lifetime ---------------------------------------------------------------------
 
@@ -324,10 +364,14 @@ def sglang_kv_cache_dtype(kv_cache_dtype: str, device: str, attention_backend: s
     """SGLang's kv_cache_dtype server arg for rollout.EmbeddedEngine's kv_cache_dtype, or a ValueError where
     SGLang 0.5.23 cannot do it on this device and attention backend."""
     if kv_cache_dtype not in SGLANG_KV_CACHE_DTYPES:
-        raise ValueError(f"SGLangEngine: kv_cache_dtype must be one of {list(SGLANG_KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        raise ValueError(
+            f"SGLangEngine: kv_cache_dtype must be one of {list(SGLANG_KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
     if kv_cache_dtype == "fp8" and device == "cpu" and attention_backend != "intel_amx":
-        raise ValueError(f"SGLangEngine: kv_cache_dtype 'fp8' (SGLang's 'fp8_e4m3') on CPU needs Intel AMX and "
-                         f"attention_backend='intel_amx' in SGLang 0.5.23; this engine runs {attention_backend!r}")
+        raise ValueError(
+            f"SGLangEngine: kv_cache_dtype 'fp8' (SGLang's 'fp8_e4m3') on CPU needs Intel AMX and "
+            f"attention_backend='intel_amx' in SGLang 0.5.23; this engine runs {attention_backend!r}"
+        )
     return SGLANG_KV_CACHE_DTYPES[kv_cache_dtype]
 
 

@@ -48,7 +48,9 @@ _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>"
 _UNCLOSED = re.compile(r"<tool_call>(?!.*</tool_call>)", re.DOTALL)
 
 
-def parse_tool_calls(text: str, parser: str, schemas: list[dict] | None = None) -> tuple[str, list[ToolCall], list[str]]:
+def parse_tool_calls(
+    text: str, parser: str, schemas: list[dict] | None = None
+) -> tuple[str, list[ToolCall], list[str]]:
     """(the text outside tool blocks, stripped; the well-formed calls in order; one error message per malformed call)
     of one model turn. schemas: the tools' JSON schemas ({"type": "function", "function": {"name", "parameters"}}, as
     transformers.utils.get_json_schema writes them), which `glm` reads for the argument types."""
@@ -94,7 +96,14 @@ def _glm(body: str, schemas: list[dict]) -> ToolCall | str:
     pairs = _GLM_ARG.findall(rest)
     if _GLM_ARG.sub("", rest).strip():
         return f"the tool call's arguments are not <arg_key>k</arg_key><arg_value>v</arg_value> pairs: {body.strip()[:200]!r}"
-    props = next((s["function"].get("parameters", {}).get("properties", {}) for s in schemas if s.get("function", {}).get("name") == name), {})
+    props = next(
+        (
+            s["function"].get("parameters", {}).get("properties", {})
+            for s in schemas
+            if s.get("function", {}).get("name") == name
+        ),
+        {},
+    )
     args = {}
     for k, v in pairs:
         k = k.strip()
@@ -117,7 +126,12 @@ def tool_methods(env_cls) -> list[str]:
     """The tools of a TRL-style environment class (environment_factory): its public methods (its own in definition
     order, then inherited ones) other than reset, get_reward and the project's optional hooks."""
     names = [n for n in vars(env_cls) if not n.startswith("_") and n not in RESERVED and callable(getattr(env_cls, n))]
-    bases = [n for b in env_cls.__mro__[1:-1] for n in vars(b) if not n.startswith("_") and n not in RESERVED and callable(getattr(env_cls, n))]
+    bases = [
+        n
+        for b in env_cls.__mro__[1:-1]
+        for n in vars(b)
+        if not n.startswith("_") and n not in RESERVED and callable(getattr(env_cls, n))
+    ]
     return names + [n for n in dict.fromkeys(bases) if n not in names]
 
 
@@ -129,20 +143,27 @@ def tool_schemas(env_cls, where: str = "the environment") -> list[dict]:
 
     names = tool_methods(env_cls)
     if not names:
-        raise ValueError(f"{where}: {env_cls.__name__} has no public method besides {', '.join(RESERVED)}, so it offers no tool")
+        raise ValueError(
+            f"{where}: {env_cls.__name__} has no public method besides {', '.join(RESERVED)}, so it offers no tool"
+        )
     out = []
     for name in names:
         fn = getattr(env_cls, name)
         try:
             schema = get_json_schema(fn)
         except Exception as e:  # DocstringParsingException, TypeHintParsingException
-            raise ValueError(f"{where}: {env_cls.__name__}.{name} cannot be a tool: {e}. A tool needs type hints on every argument "
-                             "and a docstring with a description and an Args: section") from None
+            raise ValueError(
+                f"{where}: {env_cls.__name__}.{name} cannot be a tool: {e}. A tool needs type hints on every argument "
+                "and a docstring with a description and an Args: section"
+            ) from None
         out.append(schema)  # get_json_schema leaves a method's self out
     return out
 
 
-STOP_TOKENS = {"hermes": (), "glm": ("<|observation|>", "<|user|>")}  # besides EOS, the tokens a turn in that format ends at
+STOP_TOKENS = {
+    "hermes": (),
+    "glm": ("<|observation|>", "<|user|>"),
+}  # besides EOS, the tokens a turn in that format ends at
 
 
 @dataclass(frozen=True)
@@ -167,7 +188,14 @@ def text_env(task, cfg):
     if not is_tool_env(task.env):
         return task.env
     limits = ToolLimits(cfg.tool_calls_per_turn, cfg.tool_calls_per_episode, cfg.tool_timeout, cfg.tool_output_chars)
-    return tool_env(task.env, cfg.tool_parser, limits, cfg.max_turns or task.max_turns, task, f"--env {cfg.env}" if cfg.env else f"--task {cfg.task}")
+    return tool_env(
+        task.env,
+        cfg.tool_parser,
+        limits,
+        cfg.max_turns or task.max_turns,
+        task,
+        f"--env {cfg.env}" if cfg.env else f"--task {cfg.task}",
+    )
 
 
 def stop_ids(tok, env_cls=None) -> tuple[int, ...]:
@@ -209,11 +237,15 @@ class ToolEpisode:
 
     def reset(self, row: dict) -> str:
         if not isinstance(row["prompt"], str):
-            raise ValueError(f"a tool environment's prompts must be text (the first user message), got {type(row['prompt']).__name__}")
+            raise ValueError(
+                f"a tool environment's prompts must be text (the first user message), got {type(row['prompt']).__name__}"
+            )
         self.row = row
         extra = self._user(".reset", lambda: self.env.reset(**{k: v for k, v in row.items() if k != "where"}))
         if extra is not None and not isinstance(extra, str):
-            raise ValueError(f"{self.cls.__name__}.reset returned {extra!r}; it must return a str (appended to the prompt) or None")
+            raise ValueError(
+                f"{self.cls.__name__}.reset returned {extra!r}; it must return a str (appended to the prompt) or None"
+            )
         return row["prompt"] + (f"\n\n{extra}" if extra else "")
 
     def step(self, text: str):
@@ -222,7 +254,9 @@ class ToolEpisode:
         if (not calls and not errors) or self.turns >= self.max_turns:
             self.stats["turn_limit"] = int(bool(calls or errors))
             return None, self._final(answer), True
-        out = [self._call(call, i) for i, call in enumerate(calls)] + [(False, f"error: {e}") for e in errors]  # (ran, answer)
+        out = [self._call(call, i) for i, call in enumerate(calls)] + [
+            (False, f"error: {e}") for e in errors
+        ]  # (ran, answer)
         self.stats["calls"] += len(out)
         self.stats["errors"] += sum(not ok for ok, _ in out)
         return [{"role": "tool", "content": r} for _, r in out], 0.0, False
@@ -230,7 +264,13 @@ class ToolEpisode:
     def _user(self, method: str, fn, *args, timeout: float | None = None, flag: str = "--user-timeout"):
         from data.rewards import call_user
 
-        return call_user(fn, *args, timeout=self.timeout if timeout is None else timeout, what=f"environment {self.cls.__name__}{method}", flag=flag)
+        return call_user(
+            fn,
+            *args,
+            timeout=self.timeout if timeout is None else timeout,
+            what=f"environment {self.cls.__name__}{method}",
+            flag=flag,
+        )
 
     def _call(self, call: ToolCall, i: int) -> tuple[bool, str]:
         """(the call ran and returned, the tool message's text) of the turn's i-th call."""
@@ -240,13 +280,18 @@ class ToolEpisode:
         if i >= lim.calls_per_turn:
             return False, f"error: more than {lim.calls_per_turn} tool calls in one turn; this one was not run"
         if self.ran >= lim.calls_per_episode:
-            return False, f"error: the episode's {lim.calls_per_episode} tool calls are spent; answer without a tool call"
+            return (
+                False,
+                f"error: the episode's {lim.calls_per_episode} tool calls are spent; answer without a tool call",
+            )
         if call.name not in self.names:
             return False, f"error: there is no tool {call.name!r} (the tools: {', '.join(self.names)})"
         self.ran, t = self.ran + 1, time.perf_counter()
         fn = getattr(self.env, call.name)
         try:  # a lambda: an argument named like call_user's own (timeout) reaches the tool
-            result = self._user(f".{call.name} (a tool)", lambda: fn(**call.arguments), timeout=lim.timeout, flag="--tool-timeout")
+            result = self._user(
+                f".{call.name} (a tool)", lambda: fn(**call.arguments), timeout=lim.timeout, flag="--tool-timeout"
+            )
         except UserCodeError:  # past the time limit, or sys.exit: the run stops, naming the tool
             raise
         except Exception as e:  # arguments it cannot take (TypeError) included: the model sees it
@@ -265,8 +310,10 @@ class ToolEpisode:
         try:
             return json.dumps(result)
         except (TypeError, ValueError):
-            raise RuntimeError(f"tool {self.cls.__name__}.{name} returned {type(result).__name__}; a tool must return a str "
-                               "(or a JSON-serialisable value)") from None
+            raise RuntimeError(
+                f"tool {self.cls.__name__}.{name} returned {type(result).__name__}; a tool must return a str "
+                "(or a JSON-serialisable value)"
+            ) from None
 
     def _final(self, answer: str) -> float:
         task = (self.score(answer, self.row) or 0.0) if self.score else 0.0  # score runs the reward under its own limit
@@ -277,7 +324,9 @@ class ToolEpisode:
         return float(task) + float(env)
 
 
-def tool_env(cls, parser: str = "hermes", limits: ToolLimits = ToolLimits(), max_turns: int = 8, task=None, where: str = "--env") -> type:
+def tool_env(
+    cls, parser: str = "hermes", limits: ToolLimits = ToolLimits(), max_turns: int = 8, task=None, where: str = "--env"
+) -> type:
     """The agent.py environment class (ToolEpisode) that plays TRL-style tool environment `cls` on `task` (a
     data.tasks.Task: its reward_fn scores the answers, its user_timeout limits the class's code): its tools' schemas
     checked, its optional reseed and critic_context passed through. A class with no get_reward on a task with no
@@ -286,18 +335,30 @@ def tool_env(cls, parser: str = "hermes", limits: ToolLimits = ToolLimits(), max
 
     score = None
     if task is not None and task.reward_fn is not None:
+
         def score(answer: str, row: dict):  # the task's reward on one answer, as on a single-turn completion
             sc = score_batch(task, [answer], {k: [v] for k, v in row.items() if k != "where"})
             return sc.rewards[0].item() if sc.rewarded[0] else None
+
     if parser not in PARSERS:
         raise ValueError(f"--tool-parser {parser!r}: expected one of {list(PARSERS)}")
     schemas = tool_schemas(cls, where)
     if score is None and not callable(getattr(cls, "get_reward", None)):
-        raise ValueError(f"{where}: {cls.__name__} has no get_reward() and the task has no reward function, so every episode "
-                         "would score 0: define get_reward(self) -> float, or use a task with a reward (--reward)")
-    attrs = {"cls": cls, "parser": parser, "limits": limits, "max_turns": max_turns, "score": staticmethod(score) if score else None,
-             "timeout": task.user_timeout if task is not None else DEFAULT_USER_TIMEOUT,
-             "tools": schemas, "names": [s["function"]["name"] for s in schemas], "__doc__": cls.__doc__}
+        raise ValueError(
+            f"{where}: {cls.__name__} has no get_reward() and the task has no reward function, so every episode "
+            "would score 0: define get_reward(self) -> float, or use a task with a reward (--reward)"
+        )
+    attrs = {
+        "cls": cls,
+        "parser": parser,
+        "limits": limits,
+        "max_turns": max_turns,
+        "score": staticmethod(score) if score else None,
+        "timeout": task.user_timeout if task is not None else DEFAULT_USER_TIMEOUT,
+        "tools": schemas,
+        "names": [s["function"]["name"] for s in schemas],
+        "__doc__": cls.__doc__,
+    }
     for hook in ("reseed", "critic_context"):
         if callable(getattr(cls, hook, None)):
             attrs[hook] = (lambda h: lambda self, *a: self._user(f".{h}", getattr(self.env, h), *a))(hook)
@@ -306,8 +367,15 @@ def tool_env(cls, parser: str = "hermes", limits: ToolLimits = ToolLimits(), max
 
 # ----------------------------------------------------------------------------- built-in tools
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION = 200  # characters
 MAX_POWER = 64  # the largest exponent calculator takes (2 ** 10 ** 9 would not finish)
@@ -386,16 +454,27 @@ def python(code: str, limits: PythonLimits = PythonLimits()) -> str:
     def limit():  # in the child, before exec
         import resource
 
-        for what, n, hard in ((resource.RLIMIT_CPU, limits.cpu_seconds, limits.cpu_seconds + 1),  # SIGXCPU first, then SIGKILL
-                              (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes), (resource.RLIMIT_NOFILE, limits.open_files, limits.open_files),
-                              (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes)):
+        for what, n, hard in (
+            (resource.RLIMIT_CPU, limits.cpu_seconds, limits.cpu_seconds + 1),  # SIGXCPU first, then SIGKILL
+            (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
+            (resource.RLIMIT_NOFILE, limits.open_files, limits.open_files),
+            (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
+        ):
             resource.setrlimit(what, (n, hard))
 
     with tempfile.TemporaryDirectory(prefix="tool-python-") as work:
         with open(os.path.join(work, "main.py"), "w") as f:
             f.write(code)
-        proc = subprocess.Popen([sys.executable, "-I", "main.py"], cwd=work, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, preexec_fn=limit, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "main.py"],
+            cwd=work,
+            env={},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=limit,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=limits.timeout)
         except subprocess.TimeoutExpired:
@@ -407,5 +486,8 @@ def python(code: str, limits: PythonLimits = PythonLimits()) -> str:
         text += f"\n(killed by signal {signal.Signals(-proc.returncode).name}: a resource limit)"
     elif proc.returncode:
         text += f"\n(exit code {proc.returncode})"
-    return text if len(text) <= limits.output_chars else text[: limits.output_chars] + f"\n... ({len(text) - limits.output_chars} more characters cut)"
-
+    return (
+        text
+        if len(text) <= limits.output_chars
+        else text[: limits.output_chars] + f"\n... ({len(text) - limits.output_chars} more characters cut)"
+    )

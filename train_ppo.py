@@ -46,15 +46,45 @@ from config import Config, check_model, resolve
 from data.rewards import load_reward
 from data.tasks import get_task, prompt_indices, prompt_keys
 from evaluation import evaluate, rollouts, scored
-from forward import (check_finite, check_head, context_ids, critic_batch, denominator, micro, minibatches, optimizer_step, response_logprobs,
-                     response_values)
+from forward import (
+    check_finite,
+    check_head,
+    context_ids,
+    critic_batch,
+    denominator,
+    micro,
+    minibatches,
+    optimizer_step,
+    response_logprobs,
+    response_values,
+)
 from parallel import PREEMPTION, Runtime, all_reduce, init_runtime, make_mesh, parallelize, print0, tp_share
 from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights, sync_weights
-from runlog import (Metrics, RunLog, check_fresh_start, check_inputs, check_resume, input_fingerprints, latest_checkpoint, load_trainer_state,
-                    lock_run_dir, save_checkpoint, timed)
+from runlog import (
+    Metrics,
+    RunLog,
+    check_fresh_start,
+    check_inputs,
+    check_resume,
+    input_fingerprints,
+    latest_checkpoint,
+    load_trainer_state,
+    lock_run_dir,
+    save_checkpoint,
+    timed,
+)
 from tools import stop_ids, text_env
-from value_model import (PLATEAU_WINDOW, PromptBaseline, build_critic, ev_plateaued, finite_mean, freeze_attention, load_critic,
-                         load_policy, set_head_to_mean)
+from value_model import (
+    PLATEAU_WINDOW,
+    PromptBaseline,
+    build_critic,
+    ev_plateaued,
+    finite_mean,
+    freeze_attention,
+    load_critic,
+    load_policy,
+    set_head_to_mean,
+)
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -86,7 +116,9 @@ def train_step(run: Run, models: Models, engines: Engines, task, tok, *, index: 
     where = f"step {index + 1}" if train_policy else f"critic pretraining step {-index}"
     with timed(m, "rollout"):
         rows, out = rollout_phase(run, engines, task, tok, index)
-    m.add({"rollout/staleness": float(index - models.synced if train_policy else 0)})  # updates the rollouts' weights lag
+    m.add(
+        {"rollout/staleness": float(index - models.synced if train_policy else 0)}
+    )  # updates the rollouts' weights lag
     mc = vine_phase(run, engines, task, tok, rows, out, index, m) if cfg.algo == "vine" else None
     with timed(m, "reward"):
         batch = score_batch(run, engines, task, tok, rows, out, m)._replace(vine=mc)
@@ -127,11 +159,15 @@ def pretrain_critic(run: Run, models: Models, engines: Engines, task, tok, log: 
         log.log(row)
         ev_window = finite_mean(evs[-PLATEAU_WINDOW:])
         if run.rt.rank == 0 and (pre % 10 == 0 or row["pretrain/done"]):
-            tqdm.write(f"critic pretraining {pre:3d} | vloss {row['critic/value_loss']:.4f} | ev {evs[-1]:.2f} | ev last {PLATEAU_WINDOW} {ev_window:.3f}")
+            tqdm.write(
+                f"critic pretraining {pre:3d} | vloss {row['critic/value_loss']:.4f} | ev {evs[-1]:.2f} | ev last {PLATEAU_WINDOW} {ev_window:.3f}"
+            )
         if plateau:
             break
-    print0(f"critic pretraining stopped after {pre} steps ({'plateau' if plateau else 'step cap --critic-pretrain'}): "
-           f"mean explained variance of the last {PLATEAU_WINDOW} steps {ev_window:.3f}")
+    print0(
+        f"critic pretraining stopped after {pre} steps ({'plateau' if plateau else 'step cap --critic-pretrain'}): "
+        f"mean explained variance of the last {PLATEAU_WINDOW} steps {ev_window:.3f}"
+    )
     save(run, models, tok, 0)
 
 
@@ -143,28 +179,40 @@ def finish_step(run: Run, models: Models, engines: Engines, task, tok, log: RunL
     if (step + 1) % cfg.eval_every == 0 or last:
         if cfg.eval_dtype == "fp32":  # the fp32 copy gets the new weights only when it is used
             push_weights(models.policy, engines.eval)
-        metrics, records = evaluate(engines.eval, tok, task, cfg, engines.sampling, run.dp_rank, run.plan["dp"], engines.play)
+        metrics, records = evaluate(
+            engines.eval, tok, task, cfg, engines.sampling, run.dp_rank, run.plan["dp"], engines.play
+        )
         row.update(metrics)
     log.log(row)
     if records is not None:
         log.samples(step + 1, records)
     log.progress(row)
     if run.rt.rank == 0:
-        tqdm.write(f"step {step + 1:4d} | reward {row['rollout/reward_mean']:.3f} | len {row['rollout/response_len_mean']:.1f}"
-                   f" | masked {row['mismatch/masked_frac']:.3%} | k3 {row['mismatch/k3']:.2e}"
-                   + (f" | vloss {row['critic/value_loss']:.4f} | ev {row['critic/explained_variance']:.2f}" if models.critic is not None else "")
-                   + (f" | greedy acc {row['eval/greedy_acc']:.1%}" if records is not None else "")
-                   + f" | {row['time/step']:.2f}s")
+        tqdm.write(
+            f"step {step + 1:4d} | reward {row['rollout/reward_mean']:.3f} | len {row['rollout/response_len_mean']:.1f}"
+            f" | masked {row['mismatch/masked_frac']:.3%} | k3 {row['mismatch/k3']:.2e}"
+            + (
+                f" | vloss {row['critic/value_loss']:.4f} | ev {row['critic/explained_variance']:.2f}"
+                if models.critic is not None
+                else ""
+            )
+            + (f" | greedy acc {row['eval/greedy_acc']:.1%}" if records is not None else "")
+            + f" | {row['time/step']:.2f}s"
+        )
     if records is not None or last:
         log.plot()
     due = (step + 1) // cfg.save_every > models.saved_at // cfg.save_every  # a multiple of --save-every passed since
     stop = PREEMPTION.agreed(run.rt.device) and not last
-    if last or ((due or stop) and not any(models.bad.values())):  # never mid-streak of skipped updates: see check_finite
+    if last or (
+        (due or stop) and not any(models.bad.values())
+    ):  # never mid-streak of skipped updates: see check_finite
         save(run, models, tok, step + 1)
     if stop:
         PREEMPTION.stopped = True
-        print0(f"SIGTERM: stopping after step {step + 1}, checkpoint {os.path.join(cfg.out_dir, 'checkpoints', f'step_{models.saved_at:06d}')}"
-               " (exit code 143); rerun the same command to resume")
+        print0(
+            f"SIGTERM: stopping after step {step + 1}, checkpoint {os.path.join(cfg.out_dir, 'checkpoints', f'step_{models.saved_at:06d}')}"
+            " (exit code 143); rerun the same command to resume"
+        )
     return stop
 
 
@@ -173,8 +221,10 @@ def shutdown(run: Run, engines: Engines, log: RunLog) -> list[dict]:
     if run.rt.rank == 0 and log.history:
         first, final = log.history[0], log.history[-1]
         if "eval/greedy_acc" in first and "eval/greedy_acc" in final:
-            print(f"after RL ({run.cfg.steps} steps): greedy accuracy {first['eval/greedy_acc']:.1%} -> {final['eval/greedy_acc']:.1%}, "
-                  f"sampled {first['eval/sampled_acc']:.1%} -> {final['eval/sampled_acc']:.1%}")
+            print(
+                f"after RL ({run.cfg.steps} steps): greedy accuracy {first['eval/greedy_acc']:.1%} -> {final['eval/greedy_acc']:.1%}, "
+                f"sampled {first['eval/sampled_acc']:.1%} -> {final['eval/sampled_acc']:.1%}"
+            )
     for e in {id(x): x for x in (engines.rollout, engines.eval) if x is not None}.values():
         e.shutdown()
     return log.history
@@ -277,18 +327,38 @@ def setup(cfg: Config) -> Run:
     ckpt = latest_checkpoint(cfg.out_dir, cfg.algo)
     changes = check_resume(cfg, ckpt, rt.world_size) if ckpt else check_fresh_start(cfg.out_dir, cfg.algo) or {}
     group = 1 if cfg.compact_at else plan["n"]
-    return Run(cfg, rt, plan, dp_group=mesh["dp"].get_group() if mesh else None, tp_mesh=tp_mesh,
-               dp_rank=mesh["dp"].get_local_rank() if mesh else 0, fsdp=mesh["dp"] if mesh and cfg.fsdp else None,
-               engine_rank=tp_mesh is None or tp_mesh.get_local_rank() == 0, ckpt=ckpt, changes=changes, inputs={},
-               group=group, share=cfg.shared_prefix and group > 1, lock=lock)
+    return Run(
+        cfg,
+        rt,
+        plan,
+        dp_group=mesh["dp"].get_group() if mesh else None,
+        tp_mesh=tp_mesh,
+        dp_rank=mesh["dp"].get_local_rank() if mesh else 0,
+        fsdp=mesh["dp"] if mesh and cfg.fsdp else None,
+        engine_rank=tp_mesh is None or tp_mesh.get_local_rank() == 0,
+        ckpt=ckpt,
+        changes=changes,
+        inputs={},
+        group=group,
+        share=cfg.shared_prefix and group > 1,
+        lock=lock,
+    )
 
 
 def load_task(run: Run):
     """(task, tokenizer, model folder). A bad task, data file or row fails here, and a resume's changed inputs
     (runlog.check_inputs), before any model is built; the default model is built (rank 0) on first use."""
     cfg = run.cfg
-    task = get_task(cfg.task, split=cfg.split, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                    reward_fn=load_reward(cfg.reward), eval_task=cfg.eval_task, eval_split=cfg.eval_split, user_timeout=cfg.user_timeout)
+    task = get_task(
+        cfg.task,
+        split=cfg.split,
+        prompt_key=cfg.prompt_key,
+        answer_key=cfg.answer_key,
+        reward_fn=load_reward(cfg.reward),
+        eval_task=cfg.eval_task,
+        eval_split=cfg.eval_split,
+        user_timeout=cfg.user_timeout,
+    )
     if cfg.env:
         task.env, task.max_turns = load_env(cfg.env), DEFAULT_MAX_TURNS
     task.env = text_env(task, cfg)  # a tool environment (TRL's form) is played as a text one: tools.ToolEpisode
@@ -299,7 +369,9 @@ def load_task(run: Run):
     if not model_path:
         from data.tiny import default_model
 
-        kind = cfg.task if cfg.task in ("addition", "sort", "guess", "walk", "calc") else "addition"  # the built-in tasks have their own warm-up
+        kind = (
+            cfg.task if cfg.task in ("addition", "sort", "guess", "walk", "calc") else "addition"
+        )  # the built-in tasks have their own warm-up
         if run.rt.rank == 0:
             default_model(os.path.join(REPO, ".cache"), task=kind, arch=cfg.tiny)  # the other ranks find it cached
         if dist.is_initialized():
@@ -314,35 +386,72 @@ def build_models(run: Run, model_path: str, task) -> Models:
     cfg, rt = run.cfg, run.rt
     path = os.path.join(run.ckpt, "policy") if run.ckpt else model_path
     torch.manual_seed(cfg.seed)
-    policy = moe.install(load_policy(path, "the checkpoint" if run.ckpt else "--model").to(rt.device))  # MoE: record / replay routing
-    check_head(policy)  # on the plain model: a forward under FSDP would leave the root's weights gathered as the optimiser's
+    policy = moe.install(
+        load_policy(path, "the checkpoint" if run.ckpt else "--model").to(rt.device)
+    )  # MoE: record / replay routing
+    check_head(
+        policy
+    )  # on the plain model: a forward under FSDP would leave the root's weights gathered as the optimiser's
     if run.share and policy.config._attn_implementation != "sdpa":
-        raise ValueError(f"--shared-prefix needs SDPA attention (a boolean block mask); the model uses "
-                         f"{policy.config._attn_implementation!r}: pass --no-shared-prefix")
+        raise ValueError(
+            f"--shared-prefix needs SDPA attention (a boolean block mask); the model uses "
+            f"{policy.config._attn_implementation!r}: pass --no-shared-prefix"
+        )
     policy = parallelize(policy, run.tp_mesh, run.fsdp)
     opts = {"policy": torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)}
     critic = ref = None
     if cfg.algo == "ppo":
-        critic = load_critic(os.path.join(run.ckpt, "critic"), torch.float32) if run.ckpt else build_critic(model_path, dtype=torch.float32)
+        critic = (
+            load_critic(os.path.join(run.ckpt, "critic"), torch.float32)
+            if run.ckpt
+            else build_critic(model_path, dtype=torch.float32)
+        )
         if cfg.freeze_critic_attention:
             freeze_attention(critic)
         critic = parallelize(critic.to(rt.device), run.tp_mesh, run.fsdp)
-        opts["critic"] = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=run.plan["critic_lr_used"], weight_decay=0.0)
+        opts["critic"] = torch.optim.AdamW(
+            [p for p in critic.parameters() if p.requires_grad], lr=run.plan["critic_lr_used"], weight_decay=0.0
+        )
     if cfg.kl != "none":  # the frozen initial policy, also on resume
         ref = moe.install(load_policy(model_path).to(rt.device).requires_grad_(False))
         ref = parallelize(ref, run.tp_mesh, run.fsdp).eval()
-    models = Models(policy, critic, ref, opts, path, start=0, bad={k: 0 for k in opts}, fresh_head=critic is not None and not run.ckpt,
-                    saved_at=0, baseline=PromptBaseline(cfg.baseline_window, keys=prompt_keys(task.train)) if cfg.algo == "reinforce" else None)
+    models = Models(
+        policy,
+        critic,
+        ref,
+        opts,
+        path,
+        start=0,
+        bad={k: 0 for k in opts},
+        fresh_head=critic is not None and not run.ckpt,
+        saved_at=0,
+        baseline=PromptBaseline(cfg.baseline_window, keys=prompt_keys(task.train)) if cfg.algo == "reinforce" else None,
+    )
     if run.ckpt:
         state = load_trainer_state(run.ckpt, rt.rank, rt.world_size, opts)
-        if models.baseline and state.get("baseline_keys") != PromptBaseline.KEYS:  # older: keyed by row; resuming would change the run
-            raise ValueError(f"{run.ckpt}: its --algo reinforce baseline is keyed by train row, not prompt: use a new --out-dir")
-        models.baseline = models.baseline and PromptBaseline(cfg.baseline_window, state["baseline"], models.baseline.keys)
-        models.start = models.saved_at = models.synced = state["step"]  # the engine loads the checkpoint's weights: a re-sync
-        if models.start % cfg.sync_every:  # a SIGTERM's checkpoint between syncs (rollout/staleness records it; docs/engines.md)
-            print0(f"resume: the engine starts from step {models.start}'s weights, fresher than an uninterrupted --sync-every {cfg.sync_every} run's")
+        if (
+            models.baseline and state.get("baseline_keys") != PromptBaseline.KEYS
+        ):  # older: keyed by row; resuming would change the run
+            raise ValueError(
+                f"{run.ckpt}: its --algo reinforce baseline is keyed by train row, not prompt: use a new --out-dir"
+            )
+        models.baseline = models.baseline and PromptBaseline(
+            cfg.baseline_window, state["baseline"], models.baseline.keys
+        )
+        models.start = models.saved_at = models.synced = state[
+            "step"
+        ]  # the engine loads the checkpoint's weights: a re-sync
+        if (
+            models.start % cfg.sync_every
+        ):  # a SIGTERM's checkpoint between syncs (rollout/staleness records it; docs/engines.md)
+            print0(
+                f"resume: the engine starts from step {models.start}'s weights, fresher than an uninterrupted --sync-every {cfg.sync_every} run's"
+            )
         models.bad = state["bad_steps"]
-        for k, lr in (("policy", cfg.lr), ("critic", run.plan["critic_lr_used"])):  # a changed --lr / --critic-lr applies
+        for k, lr in (
+            ("policy", cfg.lr),
+            ("critic", run.plan["critic_lr_used"]),
+        ):  # a changed --lr / --critic-lr applies
             for group in opts[k].param_groups if k in opts else []:
                 group["lr"] = lr
     return models
@@ -355,12 +464,33 @@ def build_engines(run: Run, models: Models, task, tok) -> Engines:
     eval_engine = engine
     if cfg.eval_dtype == "fp32":
         eval_engine = EmbeddedEngine(models.path, dtype="fp32", device=device) if run.engine_rank else None
-    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or task.max_new_tokens, stop_ids(tok, task.env),
-                        run.plan["n"], cfg.seed)
+    sampling = Sampling(
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+        cfg.max_new_tokens or task.max_new_tokens,
+        stop_ids(tok, task.env),
+        run.plan["n"],
+        cfg.seed,
+    )
     if task.env is None:
         return Engines(engine, eval_engine, sampling, None, sampling.max_new_tokens, sampling.max_new_tokens)
     turns, context = cfg.max_turns or task.max_turns, models.policy.config.max_position_embeddings
-    play = lambda eng, rows, s, **vine: run_episodes(eng, tok, task.env, rows, s, max_turns=turns, context_len=context, compact_at=cfg.compact_at, timeout=task.user_timeout, **vine)  # noqa: E731
+
+    def play(eng, rows, s, **vine):
+        return run_episodes(
+            eng,
+            tok,
+            task.env,
+            rows,
+            s,
+            max_turns=turns,
+            context_len=context,
+            compact_at=cfg.compact_at,
+            timeout=task.user_timeout,
+            **vine,
+        )
+
     return Engines(engine, eval_engine, sampling, play, (turns + 1) * sampling.max_new_tokens, context)
 
 
@@ -368,24 +498,51 @@ def start_log(run: Run, models: Models, engines: Engines, task, tok, model_path:
     """The run log (a fresh run drops whatever an earlier, killed attempt logged) and, on a fresh run, the "before RL"
     evaluation."""
     cfg, plan = run.cfg, run.plan
-    log = RunLog(cfg.out_dir, run.rt.rank, {**asdict(cfg), **plan, "model_path": model_path}, models.start if run.ckpt else -1,
-                 cfg.wandb, cfg.tensorboard, run.changes, run.inputs)
-    print0(f"{'resuming at step ' + str(models.start) if run.ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
-           f"world {run.rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}")
+    log = RunLog(
+        cfg.out_dir,
+        run.rt.rank,
+        {**asdict(cfg), **plan, "model_path": model_path},
+        models.start if run.ckpt else -1,
+        cfg.wandb,
+        cfg.tensorboard,
+        run.changes,
+        run.inputs,
+    )
+    print0(
+        f"{'resuming at step ' + str(models.start) if run.ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
+        f"world {run.rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}"
+    )
     if run.ckpt is None:
-        before, records = evaluate(engines.eval, tok, task, cfg, engines.sampling, run.dp_rank, plan["dp"], engines.play)
+        before, records = evaluate(
+            engines.eval, tok, task, cfg, engines.sampling, run.dp_rank, plan["dp"], engines.play
+        )
         log.log({"step": 0, **before})
         log.samples(0, records)
-        print0(f"before RL: greedy accuracy {before['eval/greedy_acc']:.1%}, sampled {before['eval/sampled_acc']:.1%} "
-               f"on {min(cfg.eval_size, len(task.test))} held-out problems")
+        print0(
+            f"before RL: greedy accuracy {before['eval/greedy_acc']:.1%}, sampled {before['eval/sampled_acc']:.1%} "
+            f"on {min(cfg.eval_size, len(task.test))} held-out problems"
+        )
     log.start_progress(cfg.steps, models.start)
     return log
 
 
 def save(run: Run, models: Models, tok, step: int) -> None:
-    save_checkpoint(run.cfg.out_dir, step, run.rt.rank, run.rt.world_size, run.cfg.keep_checkpoints, policy=models.policy,
-                    critic=models.critic, tokenizer=tok, optimizers=models.opts, extra={"bad_steps": dict(models.bad), "tp": run.cfg.tp,
-                    **({"baseline": models.baseline.table, "baseline_keys": PromptBaseline.KEYS} if models.baseline else {})})
+    save_checkpoint(
+        run.cfg.out_dir,
+        step,
+        run.rt.rank,
+        run.rt.world_size,
+        run.cfg.keep_checkpoints,
+        policy=models.policy,
+        critic=models.critic,
+        tokenizer=tok,
+        optimizers=models.opts,
+        extra={
+            "bad_steps": dict(models.bad),
+            "tp": run.cfg.tp,
+            **({"baseline": models.baseline.table, "baseline_keys": PromptBaseline.KEYS} if models.baseline else {}),
+        },
+    )
     models.saved_at = step
 
 
@@ -394,12 +551,17 @@ def save(run: Run, models: Models, tok, step: int) -> None:
 
 def batch_prompts(run: Run, n_train: int, index: int) -> list[int]:
     """This replica's train rows of batch `index` (its share of the data stream, data.tasks.prompt_indices)."""
-    return prompt_indices(run.cfg.seed, n_train, (index * run.plan["dp"] + run.dp_rank) * run.plan["prompts"], run.plan["prompts"])
+    return prompt_indices(
+        run.cfg.seed, n_train, (index * run.plan["dp"] + run.dp_rank) * run.plan["prompts"], run.plan["prompts"]
+    )
 
 
 def rollout_sampling(run: Run, engines: Engines, index: int) -> Sampling:
     """This replica's sampling of batch `index`: row (episode) r draws from seed + r, so no dp split changes the batch."""
-    return replace(engines.sampling, seed=(run.cfg.seed * 1_000_003 + index * run.cfg.rollout_batch + run.dp_rank * run.plan["rows"]) % 2**31)
+    return replace(
+        engines.sampling,
+        seed=(run.cfg.seed * 1_000_003 + index * run.cfg.rollout_batch + run.dp_rank * run.plan["rows"]) % 2**31,
+    )
 
 
 def rollout_phase(run: Run, engines: Engines, task, tok, index: int):
@@ -412,7 +574,9 @@ def rollout_phase(run: Run, engines: Engines, task, tok, index: int):
         out = rollouts(engines.rollout, tok, rows, rollout_sampling(run, engines, index), play)
         if cfg.algo != "vine":
             engines.rollout.sleep()
-    shared = tp_share(replace(out, starts=[]) if isinstance(out, Episodes) else out, run.tp_mesh)  # snapshots: engine rank only
+    shared = tp_share(
+        replace(out, starts=[]) if isinstance(out, Episodes) else out, run.tp_mesh
+    )  # snapshots: engine rank only
     return rows, shared if out is None else out
 
 
@@ -422,8 +586,17 @@ def vine_phase(run: Run, engines: Engines, task, tok, rows, out, index: int, m: 
     mc = None
     with timed(m, "vine"):
         if engines.rollout is not None:
-            mc = vine.mc_values(engines.rollout, tok, task, rows, out, rollout_sampling(run, engines, index), k=run.cfg.vine_k,
-                                every=run.cfg.vine_every, play=engines.play)
+            mc = vine.mc_values(
+                engines.rollout,
+                tok,
+                task,
+                rows,
+                out,
+                rollout_sampling(run, engines, index),
+                k=run.cfg.vine_k,
+                every=run.cfg.vine_every,
+                play=engines.play,
+            )
             engines.rollout.sleep()
         mc = tp_share(mc, run.tp_mesh)
     m.add({"vine/extra_tokens": mc.extra_tokens * run.plan["dp"]})  # the mean over ranks, times dp: the sum over dp
@@ -447,22 +620,51 @@ def score_batch(run: Run, engines: Engines, task, tok, rows, out, m: Metrics) ->
         token_rewards = losses.last_token_rewards(scores, ro.mask)
     tb = ro.to_batch(tok.pad_token_id)
     # Real tokens one trainer pass over the batch computes (a shared prompt once per group): bench/ turns it into FLOPs.
-    fed = tb.attention_mask.sum() - (tb.attention_mask[:, : tb.response_start].sum() * (run.group - 1) // run.group if run.share else 0)
-    on_dev = lambda b: type(b)(*(x.to(dev) if torch.is_tensor(x) else x for x in b))  # noqa: E731
+    fed = tb.attention_mask.sum() - (
+        tb.attention_mask[:, : tb.response_start].sum() * (run.group - 1) // run.group if run.share else 0
+    )
+
+    def on_dev(b):
+        return type(b)(*(x.to(dev) if torch.is_tensor(x) else x for x in b))
+
     tb = on_dev(tb.shared(run.group) if run.share else tb)  # shared: one forward of each prompt for its n samples
-    ctb = tb if cfg.critic_context == "policy" else on_dev(critic_batch(ro, context_ids(cfg.critic_context, tok, rows, out, n), tok.pad_token_id,
-                                                                       run.group if run.share else 1))
+    ctb = (
+        tb
+        if cfg.critic_context == "policy"
+        else on_dev(
+            critic_batch(
+                ro, context_ids(cfg.critic_context, tok, rows, out, n), tok.pad_token_id, run.group if run.share else 1
+            )
+        )
+    )
     gen_mask, keep_rows = ro.mask.to(dev), rewarded
     if cfg.algo == "grpo":
         keep_rows = rewarded & (rewarded.view(-1, n).sum(-1, keepdim=True) >= 2).expand(-1, n).reshape(-1)
     m.add_ratio("rollout/reward_mean", sc.rewards[sc.rewarded].sum(), sc.rewarded.sum())
     m.add_ratio("rollout/no_reward_frac", (~sc.rewarded).sum(), len(sc.rewarded))
-    for extra in sc.extras:  # reward/<key>: each numeric extra key of the reward's dicts, over the samples that return it
+    for (
+        extra
+    ) in sc.extras:  # reward/<key>: each numeric extra key of the reward's dicts, over the samples that return it
         for k, v in extra.items():
             if k != "pred" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 m.add_ratio(f"reward/{k}", v, 1)
-    return Batch(out, ro, tb, ctb, ro.tokens.to(dev), gen_mask, gen_mask & keep_rows[:, None], ro.infer_logp.to(dev), scores.to(dev),
-                 rewarded, keep_rows, token_rewards.to(dev), fed, engines.max_len, engines.width)
+    return Batch(
+        out,
+        ro,
+        tb,
+        ctb,
+        ro.tokens.to(dev),
+        gen_mask,
+        gen_mask & keep_rows[:, None],
+        ro.infer_logp.to(dev),
+        scores.to(dev),
+        rewarded,
+        keep_rows,
+        token_rewards.to(dev),
+        fed,
+        engines.max_len,
+        engines.width,
+    )
 
 
 def recompute(run: Run, models: Models, batch: Batch, m: Metrics) -> Old:
@@ -473,12 +675,22 @@ def recompute(run: Run, models: Models, batch: Batch, m: Metrics) -> Old:
         logp.append(response_logprobs(models.policy, batch.tb, r, batch.tokens, run.cfg)[0])
         if batch.tb.routing is not None:  # MoE: how often the trainer's routers pick other experts than the engine's
             m.add(moe.batch_flips(models.policy, batch.tb, r, batch.gen_mask))
-    ref_logp = torch.cat([response_logprobs(models.ref, batch.tb, r, batch.tokens, run.cfg)[0] for r in chunks]) if models.ref is not None else None
-    values = torch.cat([response_values(models.critic, batch.ctb, r, run.cfg) for r in chunks]) if models.critic is not None else None
+    ref_logp = (
+        torch.cat([response_logprobs(models.ref, batch.tb, r, batch.tokens, run.cfg)[0] for r in chunks])
+        if models.ref is not None
+        else None
+    )
+    values = (
+        torch.cat([response_values(models.critic, batch.ctb, r, run.cfg) for r in chunks])
+        if models.critic is not None
+        else None
+    )
     return Old(torch.cat(logp), ref_logp, values)
 
 
-def advantages(run: Run, models: Models, batch: Batch, old: Old, task, index: int, m: Metrics) -> tuple[torch.Tensor, torch.Tensor | None]:
+def advantages(
+    run: Run, models: Models, batch: Batch, old: Old, task, index: int, m: Metrics
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(advantages, returns): PPO's token-level GAE (lambda_policy, or length-adaptive) with GAE(lambda_critic) returns as
     the critic's targets; GRPO's group-relative advantages; vine's Monte Carlo value differences; reinforce's reward
     minus its prompt's running mean (value_model.PromptBaseline; rows with the same prompt share it). All but GRPO's are
@@ -488,19 +700,35 @@ def advantages(run: Run, models: Models, batch: Batch, old: Old, task, index: in
     if cfg.kl == "k1-reward":
         rewards = rewards - cfg.kl_coef * losses.kl_estimate(old.logp, old.ref_logp, "k1") * mask
     if cfg.algo == "grpo":
-        return losses.grpo_advantages((rewards * mask).sum(-1), run.plan["n"], cfg.grpo_std, valid=batch.rewarded)[:, None] * mask, None
+        return losses.grpo_advantages((rewards * mask).sum(-1), run.plan["n"], cfg.grpo_std, valid=batch.rewarded)[
+            :, None
+        ] * mask, None
     if cfg.algo == "vine":  # VinePPO: Monte Carlo values at the states, no critic
-        adv = losses.vine_advantages(batch.vine.values.to(mask.device), batch.vine.states.to(mask.device), rewards, mask)
+        adv = losses.vine_advantages(
+            batch.vine.values.to(mask.device), batch.vine.states.to(mask.device), rewards, mask
+        )
     elif cfg.algo == "reinforce":
         plan, dev = run.plan, mask.device
-        sample = torch.tensor(batch.out.episode if isinstance(batch.out, Episodes) else range(len(batch.tokens)), device=dev)
-        prompts = torch.tensor([models.baseline.keys[i] for i in batch_prompts(run, len(task.train), index)], device=dev)[sample // plan["n"]]
-        adv, had = models.baseline.advantages(prompts, sample, batch.scores, batch.rewarded, plan["rows"], run.dp_rank, plan["dp"], run.dp_group)
-        m.add_ratio("reinforce/history_frac", had[batch.rewarded].sum(), batch.rewarded.sum())  # rows whose prompt had earlier rewards
+        sample = torch.tensor(
+            batch.out.episode if isinstance(batch.out, Episodes) else range(len(batch.tokens)), device=dev
+        )
+        prompts = torch.tensor(
+            [models.baseline.keys[i] for i in batch_prompts(run, len(task.train), index)], device=dev
+        )[sample // plan["n"]]
+        adv, had = models.baseline.advantages(
+            prompts, sample, batch.scores, batch.rewarded, plan["rows"], run.dp_rank, plan["dp"], run.dp_group
+        )
+        m.add_ratio(
+            "reinforce/history_frac", had[batch.rewarded].sum(), batch.rewarded.sum()
+        )  # rows whose prompt had earlier rewards
         adv = adv[:, None] * mask
     else:
         _, returns = losses.gae(rewards, old.values, mask, cfg.gamma, cfg.lam_critic)
-        lam = losses.length_adaptive_lambda(batch.gen_mask.sum(-1), cfg.adaptive_lambda) if cfg.adaptive_lambda > 0 else cfg.lam_policy
+        lam = (
+            losses.length_adaptive_lambda(batch.gen_mask.sum(-1), cfg.adaptive_lambda)
+            if cfg.adaptive_lambda > 0
+            else cfg.lam_policy
+        )
         adv, _ = losses.gae(rewards, old.values, mask, cfg.gamma, lam)
     if cfg.whiten_advantages:  # the statistics all-reduced over dp ranks (whitening over the global batch)
         adv = losses.whiten(adv, mask, all_reduce(losses.whiten_stats(adv, mask), run.dp_group))
@@ -524,7 +752,9 @@ def correction(run: Run, batch: Batch, old: Old, m: Metrics) -> tuple[torch.Tens
     return is_w, mask & (is_w > 0) if is_w is not None and cfg.drop_masked_from_denominator else mask
 
 
-def update_critic(run: Run, models: Models, batch: Batch, old: Old, returns, index: int, clip: float | None, where: str, m: Metrics) -> None:
+def update_critic(
+    run: Run, models: Models, batch: Batch, old: Old, returns, index: int, clip: float | None, where: str, m: Metrics
+) -> None:
     """--critic-updates passes of the clipped value loss towards the returns, global token denominator per minibatch;
     logs the explained variance of the values before this update (out of sample for this batch)."""
     cfg, mask = run.cfg, batch.mask
@@ -532,18 +762,32 @@ def update_critic(run: Run, models: Models, batch: Batch, old: Old, returns, ind
         for mb in minibatches(len(batch.tokens), cfg, index, 1000 + k, run.group):
             denom = denominator(mask[mb], batch.keep_rows[mb], cfg, batch.max_len, run.dp_group)
             for r in micro(mb, cfg, run.group):
-                loss, vm = losses.value_loss(response_values(models.critic, batch.ctb, r, cfg), old.values[r], returns[r], mask[r], clip=clip,
-                                             scale=cfg.value_scale, agg=cfg.agg, num_tokens=denom)
+                loss, vm = losses.value_loss(
+                    response_values(models.critic, batch.ctb, r, cfg),
+                    old.values[r],
+                    returns[r],
+                    mask[r],
+                    clip=clip,
+                    scale=cfg.value_scale,
+                    agg=cfg.agg,
+                    num_tokens=denom,
+                )
                 loss.backward()
                 m.add(vm)
             norm, ok, weights_ok = optimizer_step(models.critic, models.opts["critic"], cfg, run.dp_group)
             check_finite(ok, weights_ok, models.bad, "critic", where, norm, cfg)
             m.add({"critic/grad_norm": norm, "train/skipped_critic_update": float(not ok)})
-    m.add({"critic/explained_variance": losses.explained_variance(old.values, returns, mask),
-           **losses.explained_variance_by_position(old.values, returns, mask, batch.width)})
+    m.add(
+        {
+            "critic/explained_variance": losses.explained_variance(old.values, returns, mask),
+            **losses.explained_variance_by_position(old.values, returns, mask, batch.width),
+        }
+    )
 
 
-def update_policy(run: Run, models: Models, batch: Batch, old: Old, adv, is_w, loss_mask, index: int, where: str, m: Metrics) -> None:
+def update_policy(
+    run: Run, models: Models, batch: Batch, old: Old, adv, is_w, loss_mask, index: int, where: str, m: Metrics
+) -> None:
     """--ppo-epochs passes of PPO-clip (or DIS) with the correction's weights, global token denominator per minibatch,
     plus the k3 KL loss with --kl k3-loss."""
     cfg = run.cfg
@@ -553,12 +797,29 @@ def update_policy(run: Run, models: Models, batch: Batch, old: Old, adv, is_w, l
             for r in micro(mb, cfg, run.group):
                 logp, ent = response_logprobs(models.policy, batch.tb, r, batch.tokens, cfg, entropy=True)
                 if cfg.correction == "dis":
-                    loss, pm = losses.dis_policy_loss(logp, batch.infer_logp[r], adv[r], loss_mask[r], eps_low=cfg.clip_low,
-                                                      eps_high=cfg.clip_high, agg=cfg.agg, num_tokens=denom)
+                    loss, pm = losses.dis_policy_loss(
+                        logp,
+                        batch.infer_logp[r],
+                        adv[r],
+                        loss_mask[r],
+                        eps_low=cfg.clip_low,
+                        eps_high=cfg.clip_high,
+                        agg=cfg.agg,
+                        num_tokens=denom,
+                    )
                 else:
-                    loss, pm = losses.ppo_policy_loss(logp, old.logp[r], adv[r], loss_mask[r], clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                                      dual_clip=cfg.dual_clip or None, is_weights=None if is_w is None else is_w[r],
-                                                      agg=cfg.agg, num_tokens=denom)
+                    loss, pm = losses.ppo_policy_loss(
+                        logp,
+                        old.logp[r],
+                        adv[r],
+                        loss_mask[r],
+                        clip_low=cfg.clip_low,
+                        clip_high=cfg.clip_high,
+                        dual_clip=cfg.dual_clip or None,
+                        is_weights=None if is_w is None else is_w[r],
+                        agg=cfg.agg,
+                        num_tokens=denom,
+                    )
                 if cfg.kl == "k3-loss":
                     kl = losses.aggregate(losses.kl_estimate(logp, old.ref_logp[r], "k3"), loss_mask[r], cfg.agg, denom)
                     loss, pm["ppo/kl_ref"] = loss + cfg.kl_coef * kl, kl.detach()
@@ -575,17 +836,23 @@ def step_metrics(run: Run, batch: Batch, m: Metrics, seconds: float) -> dict:
     """The rollout's sizes and speed, the step's time and peak memory."""
     dp, lengths, ro = run.plan["dp"], batch.gen_mask.sum(-1), batch.ro
     out = {
-        "rollout/response_len_mean": lengths.float().mean(), "rollout/response_len_max": lengths.max().float(),
+        "rollout/response_len_mean": lengths.float().mean(),
+        "rollout/response_len_max": lengths.max().float(),
         "rollout/tokens_per_s": lengths.sum() * dp / float(m.values["time/rollout"][0]),  # dp engines run at once
-        "rollout/truncated_frac": sum(f in ("length", "turn_length") for f in ro.finish_reasons) / len(ro.finish_reasons),
-        "train/tokens_per_pass": batch.fed.float() * dp, "train/response_tokens": lengths.sum().float() * dp,  # dp ranks' sum: mean x dp
-        "time/step": seconds, **(episode_metrics(batch.out) if isinstance(batch.out, Episodes) else {}),
+        "rollout/truncated_frac": sum(f in ("length", "turn_length") for f in ro.finish_reasons)
+        / len(ro.finish_reasons),
+        "train/tokens_per_pass": batch.fed.float() * dp,
+        "train/response_tokens": lengths.sum().float() * dp,  # dp ranks' sum: mean x dp
+        "time/step": seconds,
+        **(episode_metrics(batch.out) if isinstance(batch.out, Episodes) else {}),
         **(vine.metrics(batch.vine, batch.token_rewards, batch.mask, batch.width) if batch.vine is not None else {}),
     }
     if run.cfg.algo == "grpo":  # groups whose n rewards are all equal carry no GRPO signal
         groups = batch.scores.view(-1, run.plan["n"])
         out["grpo/identical_reward_frac"] = (groups.amax(-1) == groups.amin(-1)).float().mean()
-    peaks = [float(v[0]) for k, v in m.values.items() if k.startswith("mem/")]  # CUDA: the largest phase peak; CPU: peak RSS (KiB)
+    peaks = [
+        float(v[0]) for k, v in m.values.items() if k.startswith("mem/")
+    ]  # CUDA: the largest phase peak; CPU: peak RSS (KiB)
     out["mem/peak_gib_max"] = max(peaks) if peaks else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return out
 

@@ -18,8 +18,13 @@ import math
 
 import torch
 from torch import Tensor, nn
-from transformers import (MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
-                          PreTrainedModel)
+from transformers import (
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PreTrainedModel,
+)
 
 import losses
 from decoder import load_pretrained
@@ -44,7 +49,9 @@ def _critic_config(config):
     return config
 
 
-def build_critic(policy: str | PreTrainedModel, *, head_std: float = 0.02, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def build_critic(
+    policy: str | PreTrainedModel, *, head_std: float = 0.02, dtype: torch.dtype | None = None
+) -> PreTrainedModel:
     """Critic initialised from a policy checkpoint folder or an (unsharded) policy model.
 
     The backbone weights are copied from the policy; the head is re-drawn from N(0, head_std) with a zero
@@ -53,8 +60,15 @@ def build_critic(policy: str | PreTrainedModel, *, head_std: float = 0.02, dtype
     if isinstance(policy, str):
         config = _critic_config(AutoConfig.from_pretrained(policy))
         # The policy's files have no value head (new) and may have an untied lm_head the critic drops (unused).
-        critic = load_pretrained(AutoModelForTokenClassification, policy, "--model", new=("score.",), unused=("lm_head.",),
-                                 config=config, dtype=dtype or "auto")
+        critic = load_pretrained(
+            AutoModelForTokenClassification,
+            policy,
+            "--model",
+            new=("score.",),
+            unused=("lm_head.",),
+            config=config,
+            dtype=dtype or "auto",
+        )
     else:
         config = _critic_config(policy.config.__class__.from_dict(policy.config.to_dict()))
         critic = AutoModelForTokenClassification.from_config(config, dtype=dtype or policy.dtype)
@@ -118,12 +132,18 @@ class PromptBaseline:
     KEYS = "prompt"  # what the table's keys are, saved beside it: a checkpoint keyed otherwise (row indices) is refused
 
     def __init__(self, window: int, table: dict | None = None, keys: list[int] | None = None):
-        self.window, self.keys = window, keys  # keys: each train row's prompt key (data.tasks.prompt_keys), for the caller
+        self.window, self.keys = (
+            window,
+            keys,
+        )  # keys: each train row's prompt key (data.tasks.prompt_keys), for the caller
         self.table = {int(p): [float(r) for r in rs][-window:] for p, rs in (table or {}).items()}
 
     def lookup(self, prompts: list[int]) -> tuple[Tensor, Tensor]:
         """(past [N, window] float64, right-padded with 0; count [N] long): each prompt's rewards so far."""
-        past, count = torch.zeros(len(prompts), self.window, dtype=torch.float64), torch.zeros(len(prompts), dtype=torch.long)
+        past, count = (
+            torch.zeros(len(prompts), self.window, dtype=torch.float64),
+            torch.zeros(len(prompts), dtype=torch.long),
+        )
         for i, p in enumerate(prompts):
             h = self.table.get(int(p), [])
             past[i, : len(h)], count[i] = torch.tensor(h, dtype=torch.float64), len(h)
@@ -134,8 +154,17 @@ class PromptBaseline:
         for p, r in zip(prompts, rewards):
             self.table[int(p)] = (self.table.get(int(p), []) + [float(r)])[-self.window :]
 
-    def advantages(self, prompts: Tensor, sample: Tensor, rewards: Tensor, valid: Tensor, samples: int, rank: int = 0, ranks: int = 1,
-                   group=None) -> tuple[Tensor, Tensor]:
+    def advantages(
+        self,
+        prompts: Tensor,
+        sample: Tensor,
+        rewards: Tensor,
+        valid: Tensor,
+        samples: int,
+        rank: int = 0,
+        ranks: int = 1,
+        group=None,
+    ) -> tuple[Tensor, Tensor]:
         """One step of this dp rank's B rows: (advantages [B] float32, 0 on rows without a reward; had history [B] bool).
         Row b is sample sample[b] in [0, samples) of this rank (the rows of a compacted episode share it), of prompt
         prompts[b], with reward rewards[b] (multi-turn: its episode's return) if valid[b]. The baseline is read before
@@ -143,7 +172,9 @@ class PromptBaseline:
         mean reward of the global batch's samples. Then the (prompt, reward) pairs of every rank, one per sample in the
         global batch's order (rank by rank), are all-reduced over `group` and appended (losses.running_mean_advantages)."""
         pairs = torch.zeros(ranks, samples, 3, dtype=torch.float64, device=rewards.device)
-        pairs[rank, sample] = torch.stack([prompts.to(pairs), rewards.to(pairs), valid.to(pairs)], -1)  # an episode's rows agree
+        pairs[rank, sample] = torch.stack(
+            [prompts.to(pairs), rewards.to(pairs), valid.to(pairs)], -1
+        )  # an episode's rows agree
         pairs = all_reduce(pairs, group).view(-1, 3)
         ok = pairs[:, 2] > 0
         mean = pairs[ok, 1].mean() if ok.any() else pairs.new_zeros(())

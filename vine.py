@@ -97,7 +97,9 @@ def mc_values(engine, tok, task, rows, out, sampling: Sampling, *, k: int, every
         cont = engine.generate([ro.prompt_ids[b] + resp[b][:t] for b in live], s)
         extra += int(cont.mask.sum())
         owner = [b for b in live for _ in range(k)]
-        texts = tok.batch_decode([resp[b][:t] + c[m].tolist() for b, c, m in zip(owner, cont.tokens, cont.mask)], skip_special_tokens=True)
+        texts = tok.batch_decode(
+            [resp[b][:t] + c[m].tolist() for b, c, m in zip(owner, cont.tokens, cont.mask)], skip_special_tokens=True
+        )
         sc = score(task, texts, {key: [col[b] for b in owner] for key, col in columns.items()})
         ok = sc.rewarded.view(-1, k)
         values[live, t] = (sc.rewards.view(-1, k) * ok).sum(-1) / ok.sum(-1).clamp_min(1)
@@ -107,12 +109,17 @@ def mc_values(engine, tok, task, rows, out, sampling: Sampling, *, k: int, every
 
 def _episode_values(engine, play, ep: Episodes, sampling: Sampling, k: int, every: int) -> Values:
     if every != 1:
-        raise ValueError(f"vine: --vine-every {every} with a multi-turn task: its states are the starts of the model turns")
+        raise ValueError(
+            f"vine: --vine-every {every} with a multi-turn task: its states are the starts of the model turns"
+        )
     if len(ep.starts) != len(ep.turns):
         raise ValueError("vine: the episodes were played without snapshots (run_episodes(snapshots=True))")
     plan = [(b, st) for b, e in enumerate(ep.episode) for st in ep.starts[e]]  # one row per episode (no compaction)
-    starts = [replace(st, env=copy.deepcopy(st.env), seed=episode_seed(sampling.row_seed(ep.episode[b]), st.turns, i, k))
-              for b, st in plan for i in range(k)]
+    starts = [
+        replace(st, env=copy.deepcopy(st.env), seed=episode_seed(sampling.row_seed(ep.episode[b]), st.turns, i, k))
+        for b, st in plan
+        for i in range(k)
+    ]
     cont = play(engine, [], sampling, starts=starts)
     values, states = torch.zeros(ep.rollout.mask.shape), torch.zeros(ep.rollout.mask.shape, dtype=torch.bool)
     for (b, st), ret in zip(plan, cont.returns.view(-1, k).mean(-1).tolist()):
@@ -134,5 +141,7 @@ def metrics(v: Values, rewards: Tensor, mask: Tensor, width: int) -> dict[str, T
     values, has = token_values(v, mask)
     returns = (rewards.float() * mask).flip(-1).cumsum(-1).flip(-1)
     by_pos = losses.explained_variance_by_position(values, returns, has, width)
-    return {"vine/explained_variance": losses.explained_variance(values, returns, has),
-            **{k.replace("critic/", "vine/"): x for k, x in by_pos.items()}}
+    return {
+        "vine/explained_variance": losses.explained_variance(values, returns, has),
+        **{k.replace("critic/", "vine/"): x for k, x in by_pos.items()},
+    }

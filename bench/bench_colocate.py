@@ -37,10 +37,15 @@ def one(mode: str, args) -> dict:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [encode_prompt(tok, p) for p in get_task("addition").train["prompt"][: args.prompts]]
-    s = Sampling(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.n, stop_token_ids=(tok.eos_token_id,), seed=0)
+    s = Sampling(
+        temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.n, stop_token_ids=(tok.eos_token_id,), seed=0
+    )
     resident = 0
     if mode == "colocated":
-        models = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device), build_critic(path, dtype=torch.float32).to(device)]
+        models = [
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device),
+            build_critic(path, dtype=torch.float32).to(device),
+        ]
         for m in models:  # one AdamW step each, so the optimiser states exist as in training
             opt = torch.optim.AdamW(m.parameters(), lr=1e-12)
             ids = torch.tensor([prompts[0]], device=device)
@@ -48,7 +53,14 @@ def one(mode: str, args) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         resident = torch.cuda.memory_allocated(device) / 2**30 if cuda else float("nan")
-    gpu = {"base_gpu_id": 0, "mem_fraction_static": SGLANG_GPU_MEM_FRACTION if mode == "colocated" else args.alone_fraction} if cuda else {}
+    gpu = (
+        {
+            "base_gpu_id": 0,
+            "mem_fraction_static": SGLANG_GPU_MEM_FRACTION if mode == "colocated" else args.alone_fraction,
+        }
+        if cuda
+        else {}
+    )
     engine = SGLangEngine(path, dtype=args.dtype, **gpu)
     if mode == "colocated":  # the loop's cycle: sleep for training, wake, weights pushed from the trainer
         engine.sleep()
@@ -59,7 +71,13 @@ def one(mode: str, args) -> dict:
     ro = engine.generate(prompts, s)
     dt = time.perf_counter() - t0
     engine.shutdown()
-    return {"mode": mode, "tokens": int(ro.mask.sum()), "s": dt, "tok/s": float(ro.mask.sum()) / dt, "trainer GiB": resident}
+    return {
+        "mode": mode,
+        "tokens": int(ro.mask.sum()),
+        "s": dt,
+        "tok/s": float(ro.mask.sum()) / dt,
+        "trainer GiB": resident,
+    }
 
 
 def main():
@@ -83,7 +101,10 @@ def main():
             sys.exit(f"{mode} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         r = rows[-1]
-        print(f"{mode:<10} {r['tokens']:>7} tokens in {r['s']:.2f} s = {r['tok/s']:,.0f} tok/s (trainer resident: {r['trainer GiB']:.2f} GiB)", flush=True)
+        print(
+            f"{mode:<10} {r['tokens']:>7} tokens in {r['s']:.2f} s = {r['tok/s']:,.0f} tok/s (trainer resident: {r['trainer GiB']:.2f} GiB)",
+            flush=True,
+        )
     print(f"colocated / alone: {rows[1]['tok/s'] / rows[0]['tok/s']:.2f}x")
 
 

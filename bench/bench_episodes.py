@@ -40,7 +40,9 @@ def workload(name: str, tok):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", nargs="+", default=["guess", "calc", "calc-caller"], choices=["guess", "calc", "calc-caller"])
+    ap.add_argument(
+        "--task", nargs="+", default=["guess", "calc", "calc-caller"], choices=["guess", "calc", "calc-caller"]
+    )
     ap.add_argument("--episodes", type=int, default=32)
     ap.add_argument("--dtype", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp8", "int4"])
     ap.add_argument("--threads", type=int, default=1)
@@ -49,11 +51,17 @@ def main():
     torch.set_num_threads(args.threads)
     tok = build_tokenizer()
     print(f"threads {args.threads}, {args.episodes} episodes per run, best of {args.repeats}")
-    print(f"{'task':>11} {'dtype':>6} {'prefix cache':>12} {'s cpu':>7} {'s wall':>7} {'turns':>6} {'prefilled':>10} "
-          f"{'model tok/s cpu':>16} {'speed-up':>9}")
+    print(
+        f"{'task':>11} {'dtype':>6} {'prefix cache':>12} {'s cpu':>7} {'s wall':>7} {'turns':>6} {'prefilled':>10} "
+        f"{'model tok/s cpu':>16} {'speed-up':>9}"
+    )
     cache = os.path.join(REPO, ".cache")
     for name in args.task:
-        path = tool_caller(default_model(cache), tempfile.mkdtemp()) if name == "calc-caller" else default_model(cache, task=name)
+        path = (
+            tool_caller(default_model(cache), tempfile.mkdtemp())
+            if name == "calc-caller"
+            else default_model(cache, task=name)
+        )
         env, task, turns, new, stop = workload(name, tok)
         rows = task.train.to_list()[: args.episodes]
         for dtype in args.dtype:
@@ -64,13 +72,23 @@ def main():
                 for seed in range(args.repeats + 1):
                     before = engine.prefill_tokens
                     w, c = time.perf_counter(), time.process_time()
-                    ep = agent.run_episodes(engine, tok, env, rows, Sampling(max_new_tokens=new, seed=seed, stop_token_ids=stop),
-                                            max_turns=turns, context_len=256)
+                    ep = agent.run_episodes(
+                        engine,
+                        tok,
+                        env,
+                        rows,
+                        Sampling(max_new_tokens=new, seed=seed, stop_token_ids=stop),
+                        max_turns=turns,
+                        context_len=256,
+                    )
                     runs.append((time.process_time() - c, time.perf_counter() - w, ep, engine.prefill_tokens - before))
                 cpu, wall, ep, prefilled = min(runs[1:], key=lambda r: r[0])
                 base = base or cpu
-                print(f"{name:>11} {dtype:>6} {'on' if cached else 'off':>12} {cpu:>7.2f} {wall:>7.2f} {sum(ep.turns):>6} "
-                      f"{prefilled:>10,} {int(ep.rollout.mask.sum()) / cpu:>16.0f} {base / cpu:>8.2f}x", flush=True)
+                print(
+                    f"{name:>11} {dtype:>6} {'on' if cached else 'off':>12} {cpu:>7.2f} {wall:>7.2f} {sum(ep.turns):>6} "
+                    f"{prefilled:>10,} {int(ep.rollout.mask.sum()) / cpu:>16.0f} {base / cpu:>8.2f}x",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,13 @@ def train_logits(model, ro: Rollout, pad_id: int):
     with torch.no_grad():
         for i in range(0, len(ro.tokens), ROWS):
             rows = slice(i, i + ROWS)
-            logits.append(model(input_ids=b.input_ids[rows], attention_mask=b.attention_mask[rows], position_ids=b.position_ids[rows]).logits[:, P - 1 : -1])
+            logits.append(
+                model(
+                    input_ids=b.input_ids[rows],
+                    attention_mask=b.attention_mask[rows],
+                    position_ids=b.position_ids[rows],
+                ).logits[:, P - 1 : -1]
+            )
             if ro.routing is not None:
                 routes.append(moe.chosen(model).view(len(logits[-1]), P + T, *ro.routing.shape[2:])[:, P - 1 : -1])
     return torch.cat(logits), torch.cat(routes) if routes else None
@@ -77,7 +83,9 @@ def engine_logits(engine: EmbeddedEngine, ro: Rollout) -> torch.Tensor:
     return out
 
 
-def measure(model, dtype: str, kv: str, prompts: list[list[int]], sampling: Sampling, pad_id: int, flip: float = 0.0) -> dict:
+def measure(
+    model, dtype: str, kv: str, prompts: list[list[int]], sampling: Sampling, pad_id: int, flip: float = 0.0
+) -> dict:
     engine = EmbeddedEngine(model, dtype=dtype, kv_cache_dtype=kv, moe_flip=flip)
     ro = engine.generate(prompts, sampling)
     train, own = train_logits(model, ro, pad_id)
@@ -90,9 +98,16 @@ def measure(model, dtype: str, kv: str, prompts: list[list[int]], sampling: Samp
         m |= moe.flip_metrics(engine_routes[valid], own[valid])
     p, q = engine_logits(engine, ro).log_softmax(-1), train.log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)[ro.mask]
-    return {"k3": m["mismatch/k3"].item(), "kl": kl.mean().item(), "out": 1000 * m["mismatch/masked_frac"].item(),
-            "max": m["mismatch/abs_diff_max"].item(), "ess": m["mismatch/ess"].item(), "tokens": int(ro.mask.sum()),
-            "flips": 100 * float(m.get("moe/flip_frac", float("nan"))), "any": 100 * float(m.get("moe/flip_any_layer_frac", float("nan")))}
+    return {
+        "k3": m["mismatch/k3"].item(),
+        "kl": kl.mean().item(),
+        "out": 1000 * m["mismatch/masked_frac"].item(),
+        "max": m["mismatch/abs_diff_max"].item(),
+        "ess": m["mismatch/ess"].item(),
+        "tokens": int(ro.mask.sum()),
+        "flips": 100 * float(m.get("moe/flip_frac", float("nan"))),
+        "any": 100 * float(m.get("moe/flip_any_layer_frac", float("nan"))),
+    }
 
 
 def main():
@@ -101,8 +116,12 @@ def main():
     ap.add_argument("--task", default="addition", choices=["addition", "sort"])
     ap.add_argument("--prompts", type=int, default=256, help="train prompts sampled per knob (one response each)")
     ap.add_argument("--seed", type=int, default=0, help="picks the prompts and seeds the sampling")
-    ap.add_argument("--tiny", default="dense", choices=["dense", "moe"], help="the default model's architecture (without --models)")
-    ap.add_argument("--moe-flip", type=float, nargs="*", default=[], help="MoE models: also these expert-flip rates (fp32 engine)")
+    ap.add_argument(
+        "--tiny", default="dense", choices=["dense", "moe"], help="the default model's architecture (without --models)"
+    )
+    ap.add_argument(
+        "--moe-flip", type=float, nargs="*", default=[], help="MoE models: also these expert-flip rates (fp32 engine)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -113,19 +132,27 @@ def main():
     texts = task.train.select(idx)["prompt"]
     for path in args.models or [default_model(os.path.join(REPO, ".cache"), task=args.task, arch=args.tiny)]:
         tok = AutoTokenizer.from_pretrained(path)
-        model = moe.install(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())  # MoE: routers record
+        model = moe.install(
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        )  # MoE: routers record
         prompts = [encode_prompt(tok, t) for t in texts]
-        sampling = Sampling(temperature=1.0, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,),
-                            seed=args.seed)
+        sampling = Sampling(
+            temperature=1.0, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=args.seed
+        )
         print(f"model {path}\ntask {args.task}, {args.prompts} prompts, seed {args.seed}; per response token:")
-        print(f"{'engine':<15} {'kv cache':<9} {'k3':>9} {'exact KL':>9} {'out [0.5,2]':>12} {'max|log k|':>11} {'ESS':>7} "
-              f"{'tokens':>7} {'s':>5} {'flips %':>8} {'any layer %':>12}")
+        print(
+            f"{'engine':<15} {'kv cache':<9} {'k3':>9} {'exact KL':>9} {'out [0.5,2]':>12} {'max|log k|':>11} {'ESS':>7} "
+            f"{'tokens':>7} {'s':>5} {'flips %':>8} {'any layer %':>12}"
+        )
         flips = [("fp32", "auto", q) for q in args.moe_flip] if moe.is_moe(model.config) else []
         for dtype, kv, q in [(d, k, 0.0) for d, k in KNOBS] + flips:
             t0 = time.perf_counter()
             r = measure(model, dtype, kv, prompts, sampling, tok.pad_token_id, q)
-            print(f"{dtype + (f' flip {q:g}' if q else ''):<15} {kv:<9} {r['k3']:>9.2e} {r['kl']:>9.2e} {r['out']:>10.2f}\u2030 {r['max']:>11.3f} "
-                  f"{r['ess']:>7.4f} {r['tokens']:>7} {time.perf_counter() - t0:>5.1f} {r['flips']:>8.2f} {r['any']:>12.2f}", flush=True)
+            print(
+                f"{dtype + (f' flip {q:g}' if q else ''):<15} {kv:<9} {r['k3']:>9.2e} {r['kl']:>9.2e} {r['out']:>10.2f}\u2030 {r['max']:>11.3f} "
+                f"{r['ess']:>7.4f} {r['tokens']:>7} {time.perf_counter() - t0:>5.1f} {r['flips']:>8.2f} {r['any']:>12.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

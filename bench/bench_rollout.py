@@ -59,15 +59,30 @@ def main():
     tok = build_tokenizer()
     train = get_task("addition").train
     stop = (EOS_ID,) if args.stop else ()
-    print(f"model {path}\nthreads {args.threads}, engine {args.dtype}, max_new_tokens {args.max_new_tokens}, "
-          f"temperature {args.temperature}, top_p {args.top_p}, n {args.n}, stop at <|im_end|>: {args.stop}")
-    print(f"{'batch':>6} {'engine tok/s cpu':>17} {'wall':>8} {'HF tok/s cpu':>13} {'wall':>8} {'ratio cpu':>10} {'wall':>6}")
+    print(
+        f"model {path}\nthreads {args.threads}, engine {args.dtype}, max_new_tokens {args.max_new_tokens}, "
+        f"temperature {args.temperature}, top_p {args.top_p}, n {args.n}, stop at <|im_end|>: {args.stop}"
+    )
+    print(
+        f"{'batch':>6} {'engine tok/s cpu':>17} {'wall':>8} {'HF tok/s cpu':>13} {'wall':>8} {'ratio cpu':>10} {'wall':>6}"
+    )
     for B in args.batch:
-        texts = [tok.apply_chat_template([{"role": "user", "content": train[i % len(train)]["prompt"]}],
-                                         add_generation_prompt=True, tokenize=False) for i in range(B // args.n)]
+        texts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": train[i % len(train)]["prompt"]}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            for i in range(B // args.n)
+        ]
         prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
-        sampling = Sampling(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                            stop_token_ids=stop, n=args.n)
+        sampling = Sampling(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            stop_token_ids=stop,
+            n=args.n,
+        )
         seeds = iter(range(10**6))
 
         def run_engine() -> int:
@@ -77,9 +92,16 @@ def main():
         P = max(len(p) for p in prompts)
         ids = torch.tensor([[PAD_ID] * (P - len(p)) + p for p in prompts])
         attn = (ids != PAD_ID).long()
-        hf_kwargs = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
-                         num_return_sequences=args.n, max_new_tokens=args.max_new_tokens,
-                         pad_token_id=PAD_ID, eos_token_id=EOS_ID)
+        hf_kwargs = dict(
+            do_sample=True,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=0,
+            num_return_sequences=args.n,
+            max_new_tokens=args.max_new_tokens,
+            pad_token_id=PAD_ID,
+            eos_token_id=EOS_ID,
+        )
         if not args.stop:
             hf_kwargs["min_new_tokens"] = args.max_new_tokens  # no row ends early: same token count as the engine
 
@@ -92,8 +114,11 @@ def main():
 
         e_wall, e_cpu, e_n = best_time(run_engine, args.repeats)
         h_wall, h_cpu, h_n = best_time(run_hf, args.repeats)
-        print(f"{B:>6} {e_n / e_cpu:>17.0f} {e_n / e_wall:>8.0f} {h_n / h_cpu:>13.0f} {h_n / h_wall:>8.0f} "
-              f"{(e_n / e_cpu) / (h_n / h_cpu):>9.2f}x {(e_n / e_wall) / (h_n / h_wall):>5.2f}x", flush=True)
+        print(
+            f"{B:>6} {e_n / e_cpu:>17.0f} {e_n / e_wall:>8.0f} {h_n / h_cpu:>13.0f} {h_n / h_wall:>8.0f} "
+            f"{(e_n / e_cpu) / (h_n / h_cpu):>9.2f}x {(e_n / e_wall) / (h_n / h_wall):>5.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -61,30 +61,83 @@ def main():
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
 
-    common = dict(output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=64, learning_rate=2e-4, temperature=1.0,
-                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0,
-                  lr_scheduler_type="constant")
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
+        per_device_train_batch_size=64,
+        learning_rate=2e-4,
+        temperature=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        dataloader_num_workers=0,
+        lr_scheduler_type="constant",
+    )
     if args.algo == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
-        ds = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in train["prompt"]], "answer": train["answer"]})
-        cfg = GRPOConfig(**common, num_generations=4, max_completion_length=32, max_steps=args.steps, beta=0.0, steps_per_generation=1)
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[StepTimer()])
+        ds = datasets.Dataset.from_dict(
+            {"prompt": [[{"role": "user", "content": p}] for p in train["prompt"]], "answer": train["answer"]}
+        )
+        cfg = GRPOConfig(
+            **common,
+            num_generations=4,
+            max_completion_length=32,
+            max_steps=args.steps,
+            beta=0.0,
+            steps_per_generation=1,
+        )
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[StepTimer()]
+        )
     else:
         from trl.experimental.ppo import PPOConfig, PPOTrainer
 
         tok.padding_side = "left"
         ds = datasets.Dataset.from_dict({"input_ids": [encode_prompt(tok, p) for p in train["prompt"]]})
-        cfg = PPOConfig(**common, total_episodes=64 * args.steps, response_length=32, stop_token="eos", kl_coef=0.0, num_ppo_epochs=1,
-                        num_mini_batches=1, local_rollout_forward_batch_size=64, num_sample_generations=0, missing_eos_penalty=None)
-        scalar = lambda: AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)  # noqa: E731
+        cfg = PPOConfig(
+            **common,
+            total_episodes=64 * args.steps,
+            response_length=32,
+            stop_token="eos",
+            kl_coef=0.0,
+            num_ppo_epochs=1,
+            num_mini_batches=1,
+            local_rollout_forward_batch_size=64,
+            num_sample_generations=0,
+            missing_eos_penalty=None,
+        )
+
+        def scalar():
+            return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        trainer = PPOTrainer(args=cfg, processing_class=tok, model=model, ref_model=ref, reward_model=scalar(), train_dataset=ds,
-                             value_model=scalar(), callbacks=[StepTimer()])
+        trainer = PPOTrainer(
+            args=cfg,
+            processing_class=tok,
+            model=model,
+            ref_model=ref,
+            reward_model=scalar(),
+            train_dataset=ds,
+            value_model=scalar(),
+            callbacks=[StepTimer()],
+        )
     trainer.train()
     times = [b - a for a, b in zip(stamps, stamps[1:])]
     kept = times[args.skip :]
-    print(json.dumps({"algo": args.algo, "trl": trl.__version__, "threads": torch.get_num_threads(), "steps": len(times), "step": sum(kept) / len(kept)}))
+    print(
+        json.dumps(
+            {
+                "algo": args.algo,
+                "trl": trl.__version__,
+                "threads": torch.get_num_threads(),
+                "steps": len(times),
+                "step": sum(kept) / len(kept),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,12 @@ def main():
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     t0 = time.time()
     pool = calc_pool(tok, rows[256 : 256 + 8000], args.p_tool)
-    report = lambda step, loss: print(f"step {step}: loss {loss:.3f} {calc_stats(model, tok, val)} ({time.time() - t0:.0f} s)", flush=True)  # noqa: E731
+
+    def report(step, loss):
+        return print(
+            f"step {step}: loss {loss:.3f} {calc_stats(model, tok, val)} ({time.time() - t0:.0f} s)", flush=True
+        )
+
     sft(model, tok, pool, args.steps, args.lr, args.batch, every=args.every, report=report)
     if args.save:
         model.save_pretrained(args.save)

@@ -28,7 +28,17 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, when imported from elsewhere (tests)
-from lab_stats import NAN, auc, ci95, collapse_step, finite, first_crossing, fisher_exact, judge, paired, survival, verdict_credit  # noqa: E402, F401  (lab.judge etc. for notebooks and tests)
+from lab_stats import (  # noqa: E402
+    NAN,
+    auc,
+    ci95,
+    collapse_step,
+    finite,
+    first_crossing,
+    fisher_exact,
+    survival,
+    verdict_credit,
+)
 
 ALGOS = {"ppo": ["--algo", "ppo"], "grpo": ["--algo", "grpo", "--n-samples", "8"]}
 MISMATCH_ARMS = {  # appended to each algorithm's flags: arm "<algo>-<label>"
@@ -39,17 +49,42 @@ MISMATCH_ARMS = {  # appended to each algorithm's flags: arm "<algo>-<label>"
     "int4-geo": ["--engine-dtype", "int4", "--correction", "geo"],
     "kvfp8-none": ["--engine-dtype", "bf16", "--kv-cache-dtype", "fp8", "--correction", "none"],
     "kvfp8-icepop": ["--engine-dtype", "bf16", "--kv-cache-dtype", "fp8", "--correction", "icepop"],
-    "int4-none-mb4": ["--engine-dtype", "int4", "--correction", "none", "--minibatches", "4"],  # 4 optimiser steps per batch
+    "int4-none-mb4": [
+        "--engine-dtype",
+        "int4",
+        "--correction",
+        "none",
+        "--minibatches",
+        "4",
+    ],  # 4 optimiser steps per batch
     "int4-icepop-mb4": ["--engine-dtype", "int4", "--correction", "icepop", "--minibatches", "4"],
 }
 MOE_ARMS = {  # the tiny MoE (--tiny moe); appended to each algorithm's flags: arm "<algo>-<label>"
     "bf16-none": ["--engine-dtype", "bf16", "--correction", "none"],
-    **{f"kvfp8-{c}": ["--engine-dtype", "bf16", "--kv-cache-dtype", "fp8", "--correction", c] for c in ("none", "tis", "icepop", "dis")},
+    **{
+        f"kvfp8-{c}": ["--engine-dtype", "bf16", "--kv-cache-dtype", "fp8", "--correction", c]
+        for c in ("none", "tis", "icepop", "dis")
+    },
     "kvfp8-replay": ["--engine-dtype", "bf16", "--kv-cache-dtype", "fp8", "--correction", "none", "--routing-replay"],
 }
 # --quick: 2 seeds, addition only, 2 arms, 4 steps of 16 completions, 50 evaluation problems, 2 critic pretraining steps
-QUICK = {"seeds": [0, 1], "tasks": ["addition"], "steps": 4,
-         "base": ["--rollout-batch", "16", "--eval-every", "2", "--eval-size", "50", "--save-every", "25", "--critic-pretrain", "2"]}
+QUICK = {
+    "seeds": [0, 1],
+    "tasks": ["addition"],
+    "steps": 4,
+    "base": [
+        "--rollout-batch",
+        "16",
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "50",
+        "--save-every",
+        "25",
+        "--critic-pretrain",
+        "2",
+    ],
+}
 GRIDS = {
     "mismatch": {
         "hypothesis": "An int4 rollout engine (and, less so, an fp8 KV cache) against the fp32 trainer raises the train-inference mismatch "
@@ -69,10 +104,24 @@ GRIDS = {
         "tasks": ["addition", "sort"],
         "seeds": [0, 1, 2, 3, 4],
         "steps": {"addition": 80, "sort": 80},  # set before running, never after seeing results
-        "base": ["--rollout-batch", "64", "--eval-every", "20", "--eval-size", "3000", "--eval-dtype", "fp32", "--save-every", "20",
-                 "--keep-checkpoints", "1"],
+        "base": [
+            "--rollout-batch",
+            "64",
+            "--eval-every",
+            "20",
+            "--eval-size",
+            "3000",
+            "--eval-dtype",
+            "fp32",
+            "--save-every",
+            "20",
+            "--keep-checkpoints",
+            "1",
+        ],
         "arms": {f"{algo}-{label}": ALGOS[algo] + flags for algo in ALGOS for label, flags in MISMATCH_ARMS.items()},
-        "core": [f"{algo}-{label}" for algo in ALGOS for label in ("bf16-none", "int4-none", "int4-icepop", "int4-tis")],
+        "core": [
+            f"{algo}-{label}" for algo in ALGOS for label in ("bf16-none", "int4-none", "int4-icepop", "int4-tis")
+        ],
         "split_by_algo": True,  # plots: one column of axes per algorithm
         "quick": {**QUICK, "arms": ["ppo-int4-none", "ppo-int4-icepop"]},
     },
@@ -91,9 +140,29 @@ GRIDS = {
         "tasks": ["sort", "addition"],
         "seeds": [0, 1, 2, 3, 4],
         "steps": {"sort": 80, "addition": 80},  # set before running, never after seeing results
-        "base": ["--rollout-batch", "64", "--engine-dtype", "bf16", "--correction", "icepop", "--eval-every", "20", "--eval-size", "3000",
-                 "--eval-dtype", "fp32", "--save-every", "20", "--keep-checkpoints", "1"],
-        "arms": {"ppo": ["--algo", "ppo"], "grpo-n4": ["--algo", "grpo", "--n-samples", "4"], "grpo-n8": ["--algo", "grpo", "--n-samples", "8"]},
+        "base": [
+            "--rollout-batch",
+            "64",
+            "--engine-dtype",
+            "bf16",
+            "--correction",
+            "icepop",
+            "--eval-every",
+            "20",
+            "--eval-size",
+            "3000",
+            "--eval-dtype",
+            "fp32",
+            "--save-every",
+            "20",
+            "--keep-checkpoints",
+            "1",
+        ],
+        "arms": {
+            "ppo": ["--algo", "ppo"],
+            "grpo-n4": ["--algo", "grpo", "--n-samples", "4"],
+            "grpo-n8": ["--algo", "grpo", "--n-samples", "8"],
+        },
         "core": ["ppo", "grpo-n4", "grpo-n8"],
         "quick": {**QUICK, "arms": ["ppo", "grpo-n4"]},
     },
@@ -110,8 +179,20 @@ GRIDS = {
         "tasks": ["guess"],
         "seeds": [0, 1, 2, 3, 4],
         "steps": {"guess": 60},  # set before running, never after seeing results
-        "base": ["--rollout-batch", "64", "--engine-dtype", "fp32", "--eval-every", "20", "--eval-size", "500", "--save-every", "20",
-                 "--keep-checkpoints", "1"],
+        "base": [
+            "--rollout-batch",
+            "64",
+            "--engine-dtype",
+            "fp32",
+            "--eval-every",
+            "20",
+            "--eval-size",
+            "500",
+            "--save-every",
+            "20",
+            "--keep-checkpoints",
+            "1",
+        ],
         "arms": {"ppo": ["--algo", "ppo"], "grpo-n4": ["--algo", "grpo", "--n-samples", "4"]},
         "core": ["ppo", "grpo-n4"],
         "quick": {**QUICK, "tasks": ["guess"], "base": QUICK["base"] + ["--engine-dtype", "fp32"]},
@@ -127,19 +208,35 @@ GRIDS = {
         "tasks": ["guess"],
         "seeds": [0, 1, 2, 3, 4],
         "steps": {"guess": 150},  # set before running, never after seeing results
-        "base": ["--rollout-batch", "64", "--engine-dtype", "fp32", "--max-turns", "6", "--eval-every", "50", "--eval-size", "500",
-                 "--save-every", "25", "--keep-checkpoints", "1"],
+        "base": [
+            "--rollout-batch",
+            "64",
+            "--engine-dtype",
+            "fp32",
+            "--max-turns",
+            "6",
+            "--eval-every",
+            "50",
+            "--eval-size",
+            "500",
+            "--save-every",
+            "25",
+            "--keep-checkpoints",
+            "1",
+        ],
         "arms": {"ppo": ["--algo", "ppo"]},
         "core": ["ppo"],
         "quick": {**QUICK, "tasks": ["guess"], "base": QUICK["base"] + ["--engine-dtype", "fp32"]},
     },
 }
 # Written 2026-12-02, after 8 moe and 2 guess-learns-rep runs had finished and before any further run.
-REBUILT = ("The start model cannot be rebuilt bit for bit: its warm-up depended on the torch thread count of whichever "
-           "process built it first, and neither 1 nor 2 threads reproduces the build those runs used. data/tiny.py now builds with a "
-           "fixed 2 threads (a new cache name); the {runs} from the earlier build are set aside (set-aside.jsonl.gz beside the "
-           "metrics, in no table or verdict) and every seed runs from the new build ({start}). Hypothesis, arms, seeds, steps and "
-           "decision rule are unchanged.")
+REBUILT = (
+    "The start model cannot be rebuilt bit for bit: its warm-up depended on the torch thread count of whichever "
+    "process built it first, and neither 1 nor 2 threads reproduces the build those runs used. data/tiny.py now builds with a "
+    "fixed 2 threads (a new cache name); the {runs} from the earlier build are set aside (set-aside.jsonl.gz beside the "
+    "metrics, in no table or verdict) and every seed runs from the new build ({start}). Hypothesis, arms, seeds, steps and "
+    "decision rule are unchanged."
+)
 GRIDS["moe"] = {
     "hypothesis": "On the tiny Qwen3-MoE (8 experts, top-2, 4 layers) trained on addition, a bf16 engine with an fp8 KV "
     "cache against the fp32 trainer flips more router choices and raises the train-inference mismatch well above the plain "
@@ -162,15 +259,35 @@ GRIDS["moe"] = {
     "tasks": ["addition"],
     "seeds": [0, 1, 2, 3, 4],
     "steps": {"addition": 80},  # set before running, never after seeing results
-    "base": ["--tiny", "moe", "--rollout-batch", "64", "--eval-every", "20", "--eval-size", "3000", "--eval-dtype", "fp32",
-             "--save-every", "20", "--keep-checkpoints", "1"],
+    "base": [
+        "--tiny",
+        "moe",
+        "--rollout-batch",
+        "64",
+        "--eval-every",
+        "20",
+        "--eval-size",
+        "3000",
+        "--eval-dtype",
+        "fp32",
+        "--save-every",
+        "20",
+        "--keep-checkpoints",
+        "1",
+    ],
     "arms": {f"{algo}-{label}": ALGOS[algo] + flags for algo in ALGOS for label, flags in MOE_ARMS.items()},
-    "core": [f"{algo}-{label}" for algo in ALGOS for label in ("bf16-none", "kvfp8-none", "kvfp8-icepop", "kvfp8-replay")],
+    "core": [
+        f"{algo}-{label}" for algo in ALGOS for label in ("bf16-none", "kvfp8-none", "kvfp8-icepop", "kvfp8-replay")
+    ],
     "split_by_algo": True,
     "moe": True,  # the report adds the routing table
     "quick": {**QUICK, "arms": ["ppo-kvfp8-none", "ppo-kvfp8-replay"], "base": QUICK["base"] + ["--tiny", "moe"]},
-    "amendments": [REBUILT.format(runs="8 runs (seed 0 of each core arm; greedy accuracy 50.4% at step 0)", start="45.0% greedy "
-                                  "accuracy on the 3000 test problems, warm-up 500 steps to 43.8% on its validation rows")],
+    "amendments": [
+        REBUILT.format(
+            runs="8 runs (seed 0 of each core arm; greedy accuracy 50.4% at step 0)",
+            start="45.0% greedy accuracy on the 3000 test problems, warm-up 500 steps to 43.8% on its validation rows",
+        )
+    ],
 }
 # A replication on fresh seeds, registered after guess-learns came out null (+5.8 +- 6.0 over 5 seeds). Its seeds are
 # judged alone, never pooled with guess-learns' (pooling after seeing a result would be optional stopping).
@@ -182,8 +299,13 @@ GRIDS["guess-learns-rep"] = {
     "problems) from step 0 to step 150, one value per seed; 95% t-interval of the seed mean. RL LEARNS if the mean gain is at least "
     "5 points and the interval excludes 0; otherwise a null result. Secondary (reported, not decisive): the sampled success gain.",
     "seeds": list(range(5, 15)),
-    "amendments": [REBUILT.format(runs="2 runs (seeds 5 and 6; greedy success 31.8% at step 0)", start="33.8% greedy success on the "
-                                  "500 test problems at step 0, warm-up 425 steps to 36.7% on its validation rows")],
+    "amendments": [
+        REBUILT.format(
+            runs="2 runs (seeds 5 and 6; greedy success 31.8% at step 0)",
+            start="33.8% greedy success on the "
+            "500 test problems at step 0, warm-up 425 steps to 36.7% on its validation rows",
+        )
+    ],
 }
 # Registered 2026-12-02 after guess-learns-rep (null by its rule at 150 steps: greedy +4.6 +- 3.5, sampled +5.8 +- 2.9, both
 # seed-mean curves still rising at step 150) and before any run of this grid. Fresh seeds; judged alone, never pooled.
@@ -199,10 +321,26 @@ GRIDS["guess-learns-300"] = {
     "Secondary (reported, not decisive): the sampled success gain.",
     "seeds": list(range(15, 20)),
     "steps": {"guess": 300},  # set before running, never after seeing results
-    "base": ["--rollout-batch", "64", "--engine-dtype", "fp32", "--max-turns", "6", "--eval-every", "100", "--eval-size", "500",
-             "--save-every", "50", "--keep-checkpoints", "1"],
+    "base": [
+        "--rollout-batch",
+        "64",
+        "--engine-dtype",
+        "fp32",
+        "--max-turns",
+        "6",
+        "--eval-every",
+        "100",
+        "--eval-size",
+        "500",
+        "--save-every",
+        "50",
+        "--keep-checkpoints",
+        "1",
+    ],
 }
-TODO = "TODO(lead)"  # a grid spec field holding this is unregistered: bench/lab.py refuses to run the grid (unregistered)
+TODO = (
+    "TODO(lead)"  # a grid spec field holding this is unregistered: bench/lab.py refuses to run the grid (unregistered)
+)
 # Issue 22's credit grid, registered 2026-12-04 before any of its runs, after a calibration on seed 1000 (in no table).
 GRIDS["credit"] = {
     "hypothesis": "Token-level credit speeds up learning where the headroom bound says it can, at equal episodes per step (32) and equal "
@@ -239,16 +377,49 @@ GRIDS["credit"] = {
     "tasks": ["walk", "sort"],
     "seeds": list(range(10)),  # paired: seed k gives every arm the same prompt order and sampling seeds
     "steps": {"walk": 40, "sort": 40},  # set before running, never after seeing results
-    "base": ["--rollout-batch", "32", "--critic-lr", "1e-3", "--critic-pretrain", "10", "--engine-dtype", "fp32", "--correction", "none",
-             "--eval-every", "10", "--eval-size", "400", "--save-every", "10", "--keep-checkpoints", "1"],
+    "base": [
+        "--rollout-batch",
+        "32",
+        "--critic-lr",
+        "1e-3",
+        "--critic-pretrain",
+        "10",
+        "--engine-dtype",
+        "fp32",
+        "--correction",
+        "none",
+        "--eval-every",
+        "10",
+        "--eval-size",
+        "400",
+        "--save-every",
+        "10",
+        "--keep-checkpoints",
+        "1",
+    ],
     "task_flags": {"walk": ["--lr", "6e-4"], "sort": ["--lr", "2e-4"]},
-    "arms": {"grpo-n8": ["--algo", "grpo", "--n-samples", "8"], "ppo": ["--algo", "ppo"],  # 32 rollouts per step in every arm
-             "ppo-priv": {"walk": ["--algo", "ppo", "--critic-context", "env"], "sort": ["--algo", "ppo", "--critic-context", "answer"]},
-             "vine": ["--algo", "vine", "--vine-k", "4"], "reinforce": ["--algo", "reinforce"]},
+    "arms": {
+        "grpo-n8": ["--algo", "grpo", "--n-samples", "8"],
+        "ppo": ["--algo", "ppo"],  # 32 rollouts per step in every arm
+        "ppo-priv": {
+            "walk": ["--algo", "ppo", "--critic-context", "env"],
+            "sort": ["--algo", "ppo", "--critic-context", "answer"],
+        },
+        "vine": ["--algo", "vine", "--vine-k", "4"],
+        "reinforce": ["--algo", "reinforce"],
+    },
     "core": ["vine", "reinforce"],  # the oracle comparison first: it says whether a task can show an effect at all
-    "points": 2.0, "need": 5,  # verdict_credit's thresholds (lab_stats.judge)
-    "ceilings": {t: f"docs/lab/credit/ceiling_{t}.json" for t in ("walk", "sort")},  # the start models' perfect-critic EV
-    "quick": {**QUICK, "tasks": ["sort"], "arms": ["reinforce", "ppo-priv"], "base": QUICK["base"] + ["--engine-dtype", "fp32", "--correction", "none"]},
+    "points": 2.0,
+    "need": 5,  # verdict_credit's thresholds (lab_stats.judge)
+    "ceilings": {
+        t: f"docs/lab/credit/ceiling_{t}.json" for t in ("walk", "sort")
+    },  # the start models' perfect-critic EV
+    "quick": {
+        **QUICK,
+        "tasks": ["sort"],
+        "arms": ["reinforce", "ppo-priv"],
+        "base": QUICK["base"] + ["--engine-dtype", "fp32", "--correction", "none"],
+    },
 }
 # Issue 23's positive control, registered 2026-12-04 before any of its runs, after a calibration on seed 900 (in no
 # table): PPO on addition, 60 steps of 64, fp32 engine; held-out greedy accuracy at steps 0 / 20 / 40 / 60:
@@ -259,17 +430,27 @@ GRIDS["credit"] = {
 #   --lr 2e-4 --sync-every 10, no correction: 34.2 / 16.2 / 7.6 / 15.0;
 #   the tiny MoE with --moe-flip 0.5 (51% of router choices flipped), lr 4e-4, no correction, did not collapse: 47.2 /
 #     57.4 / 62.8 / 63.4 (evaluated by the flipped engine; the grids below evaluate an fp32 copy).
-COLLAPSE = {"key": "eval/greedy_acc", "margin": 0.10, "ess": 0.5, "logk": 2.0, "control": "stale-none", "control_share": 0.6,
-            "alpha": 0.05, "need": 5}
-COLLAPSE_RULE = ("Outcome per seed: COLLAPSED if the held-out greedy accuracy (500 test problems, sampled by an fp32 copy of the policy, "
-                 "--eval-dtype fp32) at any evaluation after step 0 (every 10 steps, to step 60) is at least 10 points below its step-0 "
-                 "value, or if the trainer stops on non-finite updates; the step of collapse is the first such evaluation (or the stop). "
-                 "(1) The positive control HOLDS if {control} collapses in at least 60% of its seeds; otherwise the grid cannot show a "
-                 "correction preventing collapse and the comparisons against it are reported as uninformative. (2) For each pair (a, b): "
-                 "a PREVENTS collapse if it collapses in fewer seeds than b and the two-sided Fisher's exact p < 0.05 on the 2x2 table "
-                 "(collapsed or not, by arm); a CAUSES collapse if more often with p < 0.05; otherwise NULL; fewer than 5 finished seeds "
-                 "in either arm: NOT JUDGED. Reported beside them, not decisive: the time-to-collapse curves, and for each collapse "
-                 "whether the sequence ESS of the importance weights fell below 0.5, or max |log k| rose above 2, at or before its step.")
+COLLAPSE = {
+    "key": "eval/greedy_acc",
+    "margin": 0.10,
+    "ess": 0.5,
+    "logk": 2.0,
+    "control": "stale-none",
+    "control_share": 0.6,
+    "alpha": 0.05,
+    "need": 5,
+}
+COLLAPSE_RULE = (
+    "Outcome per seed: COLLAPSED if the held-out greedy accuracy (500 test problems, sampled by an fp32 copy of the policy, "
+    "--eval-dtype fp32) at any evaluation after step 0 (every 10 steps, to step 60) is at least 10 points below its step-0 "
+    "value, or if the trainer stops on non-finite updates; the step of collapse is the first such evaluation (or the stop). "
+    "(1) The positive control HOLDS if {control} collapses in at least 60% of its seeds; otherwise the grid cannot show a "
+    "correction preventing collapse and the comparisons against it are reported as uninformative. (2) For each pair (a, b): "
+    "a PREVENTS collapse if it collapses in fewer seeds than b and the two-sided Fisher's exact p < 0.05 on the 2x2 table "
+    "(collapsed or not, by arm); a CAUSES collapse if more often with p < 0.05; otherwise NULL; fewer than 5 finished seeds "
+    "in either arm: NOT JUDGED. Reported beside them, not decisive: the time-to-collapse curves, and for each collapse "
+    "whether the sequence ESS of the importance weights fell below 0.5, or max |log k| rose above 2, at or before its step."
+)
 GRIDS["collapse"] = {
     "hypothesis": "Rollouts from weights up to 3 updates stale (--sync-every 4) at lr 4e-4 make uncorrected PPO collapse on addition "
     "within 60 steps of 64, while the same lr on-policy does not (calibration on seed 900, in the comments above the spec). "
@@ -278,22 +459,58 @@ GRIDS["collapse"] = {
     "engine, a dense and mild mismatch (k3 about 4e-3, 0.8 per mille of tokens outside [0.5, 2]), does not: int4-none against "
     "fresh-none is NULL (the negative control); (5) in most collapses the sequence ESS falls below 0.5 at or before the collapse "
     "step. PPO only: the budget does not allow GRPO arms here.",
-    "decision_rule": COLLAPSE_RULE.format(control="stale-none") + " Pairs: (stale-icepop, stale-none), (stale-tis, stale-none), "
+    "decision_rule": COLLAPSE_RULE.format(control="stale-none")
+    + " Pairs: (stale-icepop, stale-none), (stale-tis, stale-none), "
     "(stale-dis, stale-none), (stale-none, fresh-none), (int4-none, fresh-none).",
     "tasks": ["addition"],
     "seeds": list(range(10)),
     "steps": {"addition": 60},  # set before running, never after seeing results
-    "base": ["--algo", "ppo", "--rollout-batch", "64", "--lr", "4e-4", "--critic-pretrain", "10", "--eval-every", "10", "--eval-size", "500",
-             "--eval-dtype", "fp32", "--save-every", "20", "--keep-checkpoints", "1"],
-    "arms": {"fresh-none": ["--engine-dtype", "fp32", "--sync-every", "1", "--correction", "none"],
-             **{f"stale-{c}": ["--engine-dtype", "fp32", "--sync-every", "4", "--correction", c] for c in ("none", "icepop", "tis", "dis")},
-             "int4-none": ["--engine-dtype", "int4", "--sync-every", "1", "--correction", "none"]},
+    "base": [
+        "--algo",
+        "ppo",
+        "--rollout-batch",
+        "64",
+        "--lr",
+        "4e-4",
+        "--critic-pretrain",
+        "10",
+        "--eval-every",
+        "10",
+        "--eval-size",
+        "500",
+        "--eval-dtype",
+        "fp32",
+        "--save-every",
+        "20",
+        "--keep-checkpoints",
+        "1",
+    ],
+    "arms": {
+        "fresh-none": ["--engine-dtype", "fp32", "--sync-every", "1", "--correction", "none"],
+        **{
+            f"stale-{c}": ["--engine-dtype", "fp32", "--sync-every", "4", "--correction", c]
+            for c in ("none", "icepop", "tis", "dis")
+        },
+        "int4-none": ["--engine-dtype", "int4", "--sync-every", "1", "--correction", "none"],
+    },
     "core": ["stale-none", "stale-icepop", "fresh-none"],
-    "collapse": {**COLLAPSE, "pairs": [("stale-icepop", "stale-none"), ("stale-tis", "stale-none"), ("stale-dis", "stale-none"),
-                                       ("stale-none", "fresh-none"), ("int4-none", "fresh-none")]},
+    "collapse": {
+        **COLLAPSE,
+        "pairs": [
+            ("stale-icepop", "stale-none"),
+            ("stale-tis", "stale-none"),
+            ("stale-dis", "stale-none"),
+            ("stale-none", "fresh-none"),
+            ("int4-none", "fresh-none"),
+        ],
+    },
     "nonfinite_is_outcome": True,
-    "quick": {**QUICK, "arms": ["stale-none", "stale-icepop"], "base": ["4" if x == "25" else x for x in QUICK["base"]]  # --save-every 4: a multiple of --sync-every
-              + ["--lr", "4e-4", "--eval-dtype", "fp32"]},
+    "quick": {
+        **QUICK,
+        "arms": ["stale-none", "stale-icepop"],
+        "base": ["4" if x == "25" else x for x in QUICK["base"]]  # --save-every 4: a multiple of --sync-every
+        + ["--lr", "4e-4", "--eval-dtype", "fp32"],
+    },
 }
 GRIDS["collapse-flip"] = {
     "hypothesis": "The heavy-tailed discrete knob: on the tiny MoE with --moe-flip 0.5 (the engine swaps a token's second expert for "
@@ -301,28 +518,83 @@ GRIDS["collapse-flip"] = {
     "tokens outside [0.5, 2]), lr 4e-4, on-policy, uncorrected PPO collapses in at least 60% of the seeds within 60 steps, and "
     "IcePop or routing replay PREVENT it. Calibration (seed 900) did not collapse, so the expected result is a failed positive "
     "control: at this scale the flips alone are not enough.",
-    "decision_rule": COLLAPSE_RULE.format(control="flip-none") + " Pairs: (flip-icepop, flip-none), (flip-replay, flip-none).",
+    "decision_rule": COLLAPSE_RULE.format(control="flip-none")
+    + " Pairs: (flip-icepop, flip-none), (flip-replay, flip-none).",
     "tasks": ["addition"],
     "seeds": list(range(10)),
     "steps": {"addition": 60},  # set before running, never after seeing results
-    "base": ["--tiny", "moe", "--algo", "ppo", "--rollout-batch", "64", "--lr", "4e-4", "--critic-pretrain", "10", "--eval-every", "10",
-             "--eval-size", "500", "--eval-dtype", "fp32", "--save-every", "20", "--keep-checkpoints", "1", "--engine-dtype", "fp32", "--moe-flip", "0.5"],
-    "arms": {"flip-none": ["--correction", "none"], "flip-icepop": ["--correction", "icepop"], "flip-replay": ["--correction", "none", "--routing-replay"]},
+    "base": [
+        "--tiny",
+        "moe",
+        "--algo",
+        "ppo",
+        "--rollout-batch",
+        "64",
+        "--lr",
+        "4e-4",
+        "--critic-pretrain",
+        "10",
+        "--eval-every",
+        "10",
+        "--eval-size",
+        "500",
+        "--eval-dtype",
+        "fp32",
+        "--save-every",
+        "20",
+        "--keep-checkpoints",
+        "1",
+        "--engine-dtype",
+        "fp32",
+        "--moe-flip",
+        "0.5",
+    ],
+    "arms": {
+        "flip-none": ["--correction", "none"],
+        "flip-icepop": ["--correction", "icepop"],
+        "flip-replay": ["--correction", "none", "--routing-replay"],
+    },
     "core": ["flip-none", "flip-replay"],
-    "collapse": {**COLLAPSE, "control": "flip-none", "pairs": [("flip-icepop", "flip-none"), ("flip-replay", "flip-none")]},
+    "collapse": {
+        **COLLAPSE,
+        "control": "flip-none",
+        "pairs": [("flip-icepop", "flip-none"), ("flip-replay", "flip-none")],
+    },
     "nonfinite_is_outcome": True,
     "moe": True,
-    "quick": {**QUICK, "arms": ["flip-none", "flip-replay"], "base": QUICK["base"] + ["--tiny", "moe", "--moe-flip", "0.5", "--eval-dtype", "fp32",
-                                                                                    "--engine-dtype", "fp32"]},
+    "quick": {
+        **QUICK,
+        "arms": ["flip-none", "flip-replay"],
+        "base": QUICK["base"]
+        + ["--tiny", "moe", "--moe-flip", "0.5", "--eval-dtype", "fp32", "--engine-dtype", "fp32"],
+    },
 }
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train_ppo.py")
-KEEP = ("eval/greedy_acc", "eval/sampled_acc", "mismatch/k3", "mismatch/masked_frac_low", "moe/flip_frac", "moe/flip_any_layer_frac",
-        "mismatch/ratio_max", "mismatch/ratio_p999",
-        "mismatch/masked_frac_high", "ppo/grad_norm", "ppo/entropy", "critic/explained_variance", "grpo/identical_reward_frac",
-        "rollout/turns_mean", "vine/explained_variance", "vine/extra_token_ratio", "mismatch/ess", "mismatch/seq_ess", "mismatch/abs_diff_max",
-        "mismatch/k3_slope", "rollout/staleness")
+KEEP = (
+    "eval/greedy_acc",
+    "eval/sampled_acc",
+    "mismatch/k3",
+    "mismatch/masked_frac_low",
+    "moe/flip_frac",
+    "moe/flip_any_layer_frac",
+    "mismatch/ratio_max",
+    "mismatch/ratio_p999",
+    "mismatch/masked_frac_high",
+    "ppo/grad_norm",
+    "ppo/entropy",
+    "critic/explained_variance",
+    "grpo/identical_reward_frac",
+    "rollout/turns_mean",
+    "vine/explained_variance",
+    "vine/extra_token_ratio",
+    "mismatch/ess",
+    "mismatch/seq_ess",
+    "mismatch/abs_diff_max",
+    "mismatch/k3_slope",
+    "rollout/staleness",
+)
 
 
 def grid_spec(name, quick):
@@ -381,13 +653,17 @@ def curve(rows):
 
 
 NONFINITE = "nonfinite.json"  # a run the trainer stopped on non-finite updates (forward.check_finite): an outcome, not a failure
-NONFINITE_LOG = re.compile(r"(?:step|critic pretraining step) (\d+): (?:the \w+ update made its weights non-finite|\d+ consecutive \w+ "
-                           r"updates had a non-finite loss)")
+NONFINITE_LOG = re.compile(
+    r"(?:step|critic pretraining step) (\d+): (?:the \w+ update made its weights non-finite|\d+ consecutive \w+ "
+    r"updates had a non-finite loss)"
+)
 
 
 def finished(run_dir, steps):
     """A run that evaluated its last step, or that stopped on non-finite updates in a grid that counts that (NONFINITE)."""
-    return os.path.isfile(os.path.join(run_dir, NONFINITE)) or any(r["step"] == steps and "eval/greedy_acc" in r for r in curve(read_rows(run_dir)))
+    return os.path.isfile(os.path.join(run_dir, NONFINITE)) or any(
+        r["step"] == steps and "eval/greedy_acc" in r for r in curve(read_rows(run_dir))
+    )
 
 
 def clear_unsaved(run_dir):
@@ -443,8 +719,10 @@ def default_start_model(g, task, keep=None, cache=os.path.join(REPO, ".cache")):
         print(f"restored the grid's start model {os.path.relpath(kept, REPO)} into {path}", flush=True)
     path = default_model(cache, **kw)
     if kept and os.path.isdir(kept) and (want := start_model(kept)) != (have := start_model(path)):
-        sys.exit(f"{path} holds another build of the start model ({have}) than the grid's, kept in {kept} ({want}): "
-                 "move the cached one away (it is rebuilt or restored on the next run)")
+        sys.exit(
+            f"{path} holds another build of the start model ({have}) than the grid's, kept in {kept} ({want}): "
+            "move the cached one away (it is rebuilt or restored on the next run)"
+        )
     return path
 
 
@@ -457,8 +735,21 @@ def keep_start_model(path, keep):
 
 def run_command(g, task, arm, seed, run_dir):
     """The train_ppo.py command of one run: the grid's base flags, its task's (task_flags), then the arm's."""
-    return [sys.executable, TRAIN, "--out-dir", run_dir, "--seed", str(seed), "--task", task, "--steps", str(steps_of(g, task)),
-            *g["base"], *g.get("task_flags", {}).get(task, []), *arm_flags(g, arm, task)]
+    return [
+        sys.executable,
+        TRAIN,
+        "--out-dir",
+        run_dir,
+        "--seed",
+        str(seed),
+        "--task",
+        task,
+        "--steps",
+        str(steps_of(g, task)),
+        *g["base"],
+        *g.get("task_flags", {}).get(task, []),
+        *arm_flags(g, arm, task),
+    ]
 
 
 def run_all(g, root, todo, jobs, stored=()):
@@ -490,22 +781,35 @@ def run_all(g, root, todo, jobs, stored=()):
                     log.write(f"\n$ {shlex.join(cmd)}\n")
                     log.flush()
                     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-                    running[subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)] = (job, d, time.time())
+                    running[subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)] = (
+                        job,
+                        d,
+                        time.time(),
+                    )
             time.sleep(0.5)
             for p in [p for p in running if p.poll() is not None]:
                 (task, arm, seed), d, t0 = running.pop(p)
                 key, done = f"{task}/{arm}/seed{seed}", done + 1
-                stop = g.get("nonfinite_is_outcome") and p.returncode and NONFINITE_LOG.findall(log_tail(os.path.join(d, "log.txt"), 40))
+                stop = (
+                    g.get("nonfinite_is_outcome")
+                    and p.returncode
+                    and NONFINITE_LOG.findall(log_tail(os.path.join(d, "log.txt"), 40))
+                )
                 if stop:  # collapse grids: the trainer's non-finite stop is the run's outcome, at that step
                     with open(os.path.join(d, NONFINITE), "w") as f:
                         json.dump({"step": int(stop[-1])}, f)
                     print(f"[{done}/{total}] done {key}: stopped on non-finite updates at step {stop[-1]}", flush=True)
                 elif p.returncode == 0 and finished(d, steps_of(g, task)):
                     acc = [r for r in curve(read_rows(d)) if "eval/greedy_acc" in r][-1]["eval/greedy_acc"]
-                    print(f"[{done}/{total}] done {key}: final greedy acc {acc:.1%}, {time.time() - t0:.0f} s", flush=True)
+                    print(
+                        f"[{done}/{total}] done {key}: final greedy acc {acc:.1%}, {time.time() - t0:.0f} s", flush=True
+                    )
                 else:
                     failed[key] = log_tail(os.path.join(d, "log.txt"))
-                    print(f"[{done}/{total}] FAILED {key} (exit {p.returncode}), {d}/log.txt ends:\n{failed[key]}", flush=True)
+                    print(
+                        f"[{done}/{total}] FAILED {key} (exit {p.returncode}), {d}/log.txt ends:\n{failed[key]}",
+                        flush=True,
+                    )
     finally:  # on Ctrl-C or an error here, stop the runs this process started (they resume on the next invocation)
         for p in running:
             p.terminate()
@@ -527,13 +831,30 @@ def collect(g, root):
                 with open(os.path.join(d, "log.txt"), errors="replace") as f:
                     n_eval = re.findall(r"on (\d+) held-out problems", f.read())
                 rows = read_rows(d)
-                keep = [{k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in r.items()  # per-position EV: last 20% only
-                         if k == "step" or k in KEEP or k.startswith("critic/ev_pos_") and r["step"] > 0.8 * S} for r in curve(rows)]
+                keep = [
+                    {
+                        k: float(f"{v:.4g}") if isinstance(v, float) else v
+                        for k, v in r.items()  # per-position EV: last 20% only
+                        if k == "step" or k in KEEP or k.startswith("critic/ev_pos_") and r["step"] > 0.8 * S
+                    }
+                    for r in curve(rows)
+                ]
                 marker = os.path.join(d, NONFINITE)
                 nonfinite = json.load(open(marker))["step"] if os.path.isfile(marker) else None
-                runs.append({"task": task, "arm": arm, "seed": seed, "steps": S, "rollout_batch": cfg["rollout_batch"], "nonfinite_step": nonfinite,
-                             "eval_n": int(n_eval[-1]) if n_eval else None, "pretrain_steps": sum("pretrain/step" in r for r in rows),
-                             "start_model": start_model(cfg.get("model_path")), "rows": keep})
+                runs.append(
+                    {
+                        "task": task,
+                        "arm": arm,
+                        "seed": seed,
+                        "steps": S,
+                        "rollout_batch": cfg["rollout_batch"],
+                        "nonfinite_step": nonfinite,
+                        "eval_n": int(n_eval[-1]) if n_eval else None,
+                        "pretrain_steps": sum("pretrain/step" in r for r in rows),
+                        "start_model": start_model(cfg.get("model_path")),
+                        "rows": keep,
+                    }
+                )
     return runs
 
 
@@ -564,19 +885,40 @@ def run_stats(run, spec=None):
     def mean(key, lo, hi):
         v = [r[key] for r in rows if lo <= r["step"] <= hi and finite(r.get(key))]
         return sum(v) / len(v) if v else NAN
-    return {"final_greedy": 100 * ev[-1]["eval/greedy_acc"], "gain_greedy": 100 * (ev[-1]["eval/greedy_acc"] - ev[0]["eval/greedy_acc"]),
-            "gain_sampled": 100 * (ev[-1]["eval/sampled_acc"] - ev[0]["eval/sampled_acc"]), "best_greedy": 100 * max([r["eval/greedy_acc"] for r in ev if r["step"] >= 1], default=NAN),
-            "final_sampled": 100 * ev[-1]["eval/sampled_acc"], "k3_first": mean("mismatch/k3", 1, w), "k3_last": mean("mismatch/k3", S - w + 1, S),
-            "masked_low": mean("mismatch/masked_frac_low", 1, S), "masked_high": mean("mismatch/masked_frac_high", 1, S),
-            "ev_51_80": mean("critic/explained_variance", 51, 80), "pretrain": run.get("pretrain_steps", 0),
-            "flips": mean("moe/flip_frac", 1, S), "flips_any": mean("moe/flip_any_layer_frac", 1, S), "ratio_p999": mean("mismatch/ratio_p999", 1, S),
-            "ratio_max": max([r["mismatch/ratio_max"] for r in rows if finite(r.get("mismatch/ratio_max"))], default=NAN),
-            "grad_norm": mean("ppo/grad_norm", 1, S), "auc_sampled": auc(ev, "eval/sampled_acc", S) if whole else NAN, "auc_greedy": auc(ev, "eval/greedy_acc", S) if whole else NAN,
-            "critic_ev_last": mean("critic/explained_variance", S - w + 1, S), "vine_ev_last": mean("vine/explained_variance", S - w + 1, S),
-            "identical": mean("grpo/identical_reward_frac", 1, S), "vine_extra": mean("vine/extra_token_ratio", 1, S),
-            **({"collapse": collapse_step(rows, spec["key"], spec["margin"], run.get("nonfinite_step")),
-                "ess_warn": first_crossing(rows, "mismatch/seq_ess", spec["ess"]), "logk_warn": first_crossing(rows, "mismatch/abs_diff_max", spec["logk"], below=False)}
-               if spec else {})}
+
+    return {
+        "final_greedy": 100 * ev[-1]["eval/greedy_acc"],
+        "gain_greedy": 100 * (ev[-1]["eval/greedy_acc"] - ev[0]["eval/greedy_acc"]),
+        "gain_sampled": 100 * (ev[-1]["eval/sampled_acc"] - ev[0]["eval/sampled_acc"]),
+        "best_greedy": 100 * max([r["eval/greedy_acc"] for r in ev if r["step"] >= 1], default=NAN),
+        "final_sampled": 100 * ev[-1]["eval/sampled_acc"],
+        "k3_first": mean("mismatch/k3", 1, w),
+        "k3_last": mean("mismatch/k3", S - w + 1, S),
+        "masked_low": mean("mismatch/masked_frac_low", 1, S),
+        "masked_high": mean("mismatch/masked_frac_high", 1, S),
+        "ev_51_80": mean("critic/explained_variance", 51, 80),
+        "pretrain": run.get("pretrain_steps", 0),
+        "flips": mean("moe/flip_frac", 1, S),
+        "flips_any": mean("moe/flip_any_layer_frac", 1, S),
+        "ratio_p999": mean("mismatch/ratio_p999", 1, S),
+        "ratio_max": max([r["mismatch/ratio_max"] for r in rows if finite(r.get("mismatch/ratio_max"))], default=NAN),
+        "grad_norm": mean("ppo/grad_norm", 1, S),
+        "auc_sampled": auc(ev, "eval/sampled_acc", S) if whole else NAN,
+        "auc_greedy": auc(ev, "eval/greedy_acc", S) if whole else NAN,
+        "critic_ev_last": mean("critic/explained_variance", S - w + 1, S),
+        "vine_ev_last": mean("vine/explained_variance", S - w + 1, S),
+        "identical": mean("grpo/identical_reward_frac", 1, S),
+        "vine_extra": mean("vine/extra_token_ratio", 1, S),
+        **(
+            {
+                "collapse": collapse_step(rows, spec["key"], spec["margin"], run.get("nonfinite_step")),
+                "ess_warn": first_crossing(rows, "mismatch/seq_ess", spec["ess"]),
+                "logk_warn": first_crossing(rows, "mismatch/abs_diff_max", spec["logk"], below=False),
+            }
+            if spec
+            else {}
+        ),
+    }
 
 
 def arm_stats(runs, spec=None):
@@ -594,38 +936,64 @@ def compare(a, b, points=5.0):
     return 0 if not apart or abs(a[0] - b[0]) < points else 1 if a[0] > b[0] else -1
 
 
-def verdict_mismatch(stats, labels=MISMATCH_ARMS, pairs=(("int4-tis", "int4-none"), ("int4-icepop", "int4-none"), ("int4-geo", "int4-none"),
-                     ("kvfp8-icepop", "kvfp8-none"), ("int4-icepop-mb4", "int4-none-mb4")),
-                     support_pairs=(("int4-icepop", "int4-none"), ("int4-icepop-mb4", "int4-none-mb4"))):
+def verdict_mismatch(
+    stats,
+    labels=MISMATCH_ARMS,
+    pairs=(
+        ("int4-tis", "int4-none"),
+        ("int4-icepop", "int4-none"),
+        ("int4-geo", "int4-none"),
+        ("kvfp8-icepop", "kvfp8-none"),
+        ("int4-icepop-mb4", "int4-none-mb4"),
+    ),
+    support_pairs=(("int4-icepop", "int4-none"), ("int4-icepop-mb4", "int4-none-mb4")),
+):
     """The mismatch decision rule (and the moe grid's, with its labels and pairs); stats[task][arm][metric] = ci95 triple."""
     lines, passed = [], False
     for task, arms in stats.items():
         for algo in ALGOS:
-            s = lambda label: arms.get(f"{algo}-{label}", {}).get("final_sampled")  # noqa: E731
+
+            def s(label):
+                return arms.get(f"{algo}-{label}", {}).get("final_sampled")
+
             if not any(a.startswith(f"{algo}-") for a in arms):
                 continue
             ref = s("bf16-none")
             deg = {x: compare(s(x), ref) for x in labels if x != "bf16-none" and s(x) is not None and ref is not None}
             cor = {(c, u): compare(s(c), s(u)) for c, u in pairs if s(c) is not None and s(u) is not None}
-            out = [f"DEGRADED {x}" for x, v in deg.items() if v == -1] + [f"{c} {'HELPS' if v == 1 else 'HURTS'} over {u}" for (c, u), v in cor.items() if v]
-            skipped = [x for x, v in deg.items() if v is None] + [f"{c} vs {u}" for (c, u), v in cor.items() if v is None]
+            out = [f"DEGRADED {x}" for x, v in deg.items() if v == -1] + [
+                f"{c} {'HELPS' if v == 1 else 'HURTS'} over {u}" for (c, u), v in cor.items() if v
+            ]
+            skipped = [x for x, v in deg.items() if v is None] + [
+                f"{c} vs {u}" for (c, u), v in cor.items() if v is None
+            ]
             support = any(deg.get(u) == -1 and cor.get((c, u)) == 1 for c, u in support_pairs)
             passed |= bool(out)
-            lines.append(f"- {task} / {algo}: " + ("; ".join(out) if out else "null result (no comparison passes the rule)")
-                         + ("; **hypothesis supported**" if support else "") + (f" (not evaluated, < 2 seeds: {', '.join(skipped)})" if skipped else "")
-                         + ("" if ref else f" (no {algo}-bf16-none runs: DEGRADED not evaluated)"))
+            lines.append(
+                f"- {task} / {algo}: "
+                + ("; ".join(out) if out else "null result (no comparison passes the rule)")
+                + ("; **hypothesis supported**" if support else "")
+                + (f" (not evaluated, < 2 seeds: {', '.join(skipped)})" if skipped else "")
+                + ("" if ref else f" (no {algo}-bf16-none runs: DEGRADED not evaluated)")
+            )
     return lines + ([] if passed else ["", "**Null result**: no comparison passes the decision rule."])
 
 
 def verdict_horizon(stats):
     lines, margins = [], {}
     for task, arms in stats.items():
-        ppo, grpo = arms.get("ppo", {}).get("final_greedy"), [arms[a]["final_greedy"] for a in ("grpo-n4", "grpo-n8") if a in arms]
+        ppo, grpo = (
+            arms.get("ppo", {}).get("final_greedy"),
+            [arms[a]["final_greedy"] for a in ("grpo-n4", "grpo-n8") if a in arms],
+        )
         res = [compare(ppo, x) for x in grpo]
         if len(res) < 2 or None in res:
             lines.append(f"- {task}: not evaluated (ppo, grpo-n4 and grpo-n8 need >= 2 finished seeds each)")
             continue
-        margins[task] = ("PPO BETTER" if set(res) == {1} else "PPO WORSE" if set(res) == {-1} else "null result", ppo[0] - max(x[0] for x in grpo))
+        margins[task] = (
+            "PPO BETTER" if set(res) == {1} else "PPO WORSE" if set(res) == {-1} else "null result",
+            ppo[0] - max(x[0] for x in grpo),
+        )
         lines.append(f"- {task}: {margins[task][0]} (PPO minus the better GRPO arm: {margins[task][1]:+.1f} points)")
     if "sort" in margins and "addition" in margins:
         ok = margins["sort"][0] == "PPO BETTER" and margins["sort"][1] > margins["addition"][1]
@@ -641,7 +1009,9 @@ def verdict_multi_turn(stats):
     if res is None:
         return ["- guess: not evaluated (ppo and grpo-n4 need >= 2 finished seeds each)"]
     margin = arms["ppo"]["final_greedy"][0] - arms["grpo-n4"]["final_greedy"][0]
-    lines = [f"- guess: {({1: 'PPO BETTER', -1: 'PPO WORSE', 0: 'null result'})[res]} (PPO minus GRPO n4: {margin:+.1f} points)"]
+    lines = [
+        f"- guess: {({1: 'PPO BETTER', -1: 'PPO WORSE', 0: 'null result'})[res]} (PPO minus GRPO n4: {margin:+.1f} points)"
+    ]
     return lines + ([] if res else ["", "**Null result**: the comparison does not pass the decision rule."])
 
 
@@ -651,8 +1021,10 @@ def verdict_guess_learns(stats, need=2):
         return [f"- guess: not evaluated (ppo needs >= {need} finished seeds)"]
     (g, h, n), (sg, sh, _) = ppo["gain_greedy"], ppo["gain_sampled"]
     learns = g >= 5 and g - h > 0
-    return [f"- guess: {'RL LEARNS' if learns else 'null result'} (greedy gain {g:+.1f} ± {h:.1f} points over {n} seeds; "
-            f"sampled gain {sg:+.1f} ± {sh:.1f})"] + ([] if learns else ["", "**Null result**: the gain does not pass the decision rule."])
+    return [
+        f"- guess: {'RL LEARNS' if learns else 'null result'} (greedy gain {g:+.1f} ± {h:.1f} points over {n} seeds; "
+        f"sampled gain {sg:+.1f} ± {sh:.1f})"
+    ] + ([] if learns else ["", "**Null result**: the gain does not pass the decision rule."])
 
 
 def verdict_moe(stats):
@@ -669,18 +1041,40 @@ def verdict_collapse(stats, spec):
     sequence ESS fall below spec["ess"], or max |log k| rise above spec["logk"], before (or at) the collapse step?"""
     lines, decided, judged = [], [], False
     for task, arms in stats.items():
-        steps = lambda a: [p["collapse"] for p in arms.get(a, {}).get("seeds", {}).values()]  # noqa: E731
-        lines += [f"### {task}", "", "| arm | seeds | collapsed | steps of collapse | ESS fell first | max log k rose first |", "|---|---|---|---|---|---|"]
+
+        def steps(a):
+            return [p["collapse"] for p in arms.get(a, {}).get("seeds", {}).values()]
+
+        lines += [
+            f"### {task}",
+            "",
+            "| arm | seeds | collapsed | steps of collapse | ESS fell first | max log k rose first |",
+            "|---|---|---|---|---|---|",
+        ]
         for a, c in arms.items():
             per = c["seeds"].values()
             hit = [p for p in per if p["collapse"] is not None]
-            first = lambda k: sum(p[k] is not None and p[k] <= p["collapse"] for p in hit)  # noqa: E731
-            lines.append(f"| {a} | {len(per)} | {len(hit)} | {', '.join(str(p['collapse']) for p in hit) or '-'} | {first('ess_warn')} of {len(hit)} "
-                         f"| {first('logk_warn')} of {len(hit)} |")
+
+            def first(k):
+                return sum(p[k] is not None and p[k] <= p["collapse"] for p in hit)
+
+            lines.append(
+                f"| {a} | {len(per)} | {len(hit)} | {', '.join(str(p['collapse']) for p in hit) or '-'} | {first('ess_warn')} of {len(hit)} "
+                f"| {first('logk_warn')} of {len(hit)} |"
+            )
         ctrl = steps(spec["control"])
         ok = len(ctrl) >= spec["need"] and sum(s is not None for s in ctrl) >= spec["control_share"] * len(ctrl)
-        lines += ["", f"- positive control ({spec['control']} collapses in >= {spec['control_share']:.0%} of its seeds): "
-                  + ("**HOLDS**" if ok else "NOT JUDGED (too few seeds)" if len(ctrl) < spec["need"] else "**FAILS**: the grid cannot show a correction preventing collapse")]
+        lines += [
+            "",
+            f"- positive control ({spec['control']} collapses in >= {spec['control_share']:.0%} of its seeds): "
+            + (
+                "**HOLDS**"
+                if ok
+                else "NOT JUDGED (too few seeds)"
+                if len(ctrl) < spec["need"]
+                else "**FAILS**: the grid cannot show a correction preventing collapse"
+            ),
+        ]
         for a, ref in spec["pairs"]:
             x, y = steps(a), steps(ref)
             if min(len(x), len(y)) < spec["need"]:
@@ -692,25 +1086,41 @@ def verdict_collapse(stats, spec):
             informative = ok or ref != spec["control"]
             if v != "NULL" and informative:
                 decided.append(f"{task}: {a} {v} collapse against {ref}")
-            lines.append(f"- {a} vs {ref}: **{v}** (collapsed {cx} of {len(x)} against {cy} of {len(y)}; Fisher's exact p = {pval:.3g})"
-                         + ("" if informative else ", uninformative: the positive control fails"))
+            lines.append(
+                f"- {a} vs {ref}: **{v}** (collapsed {cx} of {len(x)} against {cy} of {len(y)}; Fisher's exact p = {pval:.3g})"
+                + ("" if informative else ", uninformative: the positive control fails")
+            )
         lines.append("")
     if decided:
         return lines + [f"Decisive comparisons: {'; '.join(decided)}."]
-    return lines + (["**Null result**: no comparison passes the decision rule."] if judged else ["**Not judged**: no comparison has enough seeds yet."])
+    return lines + (
+        ["**Null result**: no comparison passes the decision rule."]
+        if judged
+        else ["**Not judged**: no comparison has enough seeds yet."]
+    )
 
 
-VERDICTS = {"mismatch": verdict_mismatch, "moe": verdict_moe, "horizon": verdict_horizon, "multi-turn": verdict_multi_turn, "guess-learns": verdict_guess_learns,
-            "guess-learns-rep": verdict_guess_learns, "guess-learns-300": lambda stats: verdict_guess_learns(stats, need=5),
-            "credit": lambda stats: verdict_credit(stats, GRIDS["credit"]["points"], GRIDS["credit"]["need"], GRIDS["credit"]["ceilings"], REPO),
-            "collapse": lambda stats: verdict_collapse(stats, GRIDS["collapse"]["collapse"]),
-            "collapse-flip": lambda stats: verdict_collapse(stats, GRIDS["collapse-flip"]["collapse"])}
+VERDICTS = {
+    "mismatch": verdict_mismatch,
+    "moe": verdict_moe,
+    "horizon": verdict_horizon,
+    "multi-turn": verdict_multi_turn,
+    "guess-learns": verdict_guess_learns,
+    "guess-learns-rep": verdict_guess_learns,
+    "guess-learns-300": lambda stats: verdict_guess_learns(stats, need=5),
+    "credit": lambda stats: verdict_credit(
+        stats, GRIDS["credit"]["points"], GRIDS["credit"]["need"], GRIDS["credit"]["ceilings"], REPO
+    ),
+    "collapse": lambda stats: verdict_collapse(stats, GRIDS["collapse"]["collapse"]),
+    "collapse-flip": lambda stats: verdict_collapse(stats, GRIDS["collapse-flip"]["collapse"]),
+}
 
 
 def plots(g, runs, task, out_dir):
     """One PNG per family of quantities (rows of axes: quantities; columns: algorithms when split_by_algo).
     Lines: seed mean per arm; shaded: min-max over seeds. Returns the file names."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -719,7 +1129,9 @@ def plots(g, runs, task, out_dir):
     groups = {}
     for a in by_arm:
         groups.setdefault(a.split("-")[0] if g.get("split_by_algo") else "all arms", []).append(a)
-    color = {a: plt.cm.tab10(i % 10) for arms in groups.values() for i, a in enumerate(arms)}  # same label, same colour in each column
+    color = {
+        a: plt.cm.tab10(i % 10) for arms in groups.values() for i, a in enumerate(arms)
+    }  # same label, same colour in each column
     smooth = max(1, max(r["steps"] for r in runs) // 30)
 
     def seed_curve(rs, key, k):
@@ -730,8 +1142,12 @@ def plots(g, runs, task, out_dir):
                     pts.setdefault(row["step"], []).append(row[key])
         x = np.array(sorted(pts))
         k = min(k, len(x))
-        ys = [np.convolve([f(pts[s]) for s in x], np.ones(k) / k, mode="valid") for f in (np.mean, min, max)] if k else []
-        return x[k - 1:], ys
+        ys = (
+            [np.convolve([f(pts[s]) for s in x], np.ones(k) / k, mode="valid") for f in (np.mean, min, max)]
+            if k
+            else []
+        )
+        return x[k - 1 :], ys
 
     def figure(name, keys, k=smooth, samples=False, logy=False):
         keys = [key for key in keys if any(len(seed_curve(rs, key, 1)[0]) for rs in by_arm.values())]
@@ -745,10 +1161,19 @@ def plots(g, runs, task, out_dir):
                     x, ys = seed_curve(by_arm[a], key, k)
                     if len(x):
                         x = x * by_arm[a][0]["rollout_batch"] if samples else x
-                        ax.plot(x, ys[0], color=color[a], label=f"{a} (n={len(by_arm[a])})", marker="." if len(x) < 12 else None)
+                        ax.plot(
+                            x,
+                            ys[0],
+                            color=color[a],
+                            label=f"{a} (n={len(by_arm[a])})",
+                            marker="." if len(x) < 12 else None,
+                        )
                         ax.fill_between(x, ys[1], ys[2], color=color[a], alpha=0.15)
-                ax.set(title=f"{task}: {key} ({gname})" + (f", {k}-step moving mean" if k > 1 else ""),
-                       xlabel="samples seen (critic pretraining not counted)" if samples else "step", yscale="log" if logy else "linear")
+                ax.set(
+                    title=f"{task}: {key} ({gname})" + (f", {k}-step moving mean" if k > 1 else ""),
+                    xlabel="samples seen (critic pretraining not counted)" if samples else "step",
+                    yscale="log" if logy else "linear",
+                )
                 ax.grid(alpha=0.3)
                 if ax.lines:
                     ax.legend(fontsize=7)
@@ -765,86 +1190,173 @@ def plots(g, runs, task, out_dir):
         plt.close(fig)
         return f"{task}_{name}.png"
 
-    files = figure("accuracy", ["eval/greedy_acc", "eval/sampled_acc"], 1, samples=True) + figure("k3", ["mismatch/k3"], logy=True)
-    files += figure("masked", ["mismatch/masked_frac_low", "mismatch/masked_frac_high"]) + figure("grad_norm", ["ppo/grad_norm"])
+    files = figure("accuracy", ["eval/greedy_acc", "eval/sampled_acc"], 1, samples=True) + figure(
+        "k3", ["mismatch/k3"], logy=True
+    )
+    files += figure("masked", ["mismatch/masked_frac_low", "mismatch/masked_frac_high"]) + figure(
+        "grad_norm", ["ppo/grad_norm"]
+    )
     files += figure("entropy", ["ppo/entropy"]) + figure("ev", ["critic/explained_variance", "vine/explained_variance"])
     files += figure("collapse", ["mismatch/ess", "mismatch/seq_ess", "mismatch/abs_diff_max", "mismatch/k3_slope"])
     files += figure("identical_reward_groups", ["grpo/identical_reward_frac"])
-    files += figure("routing", ["moe/flip_frac", "moe/flip_any_layer_frac"]) + figure("ratio_tail", ["mismatch/ratio_p999", "mismatch/ratio_max"])
-    if spec := g.get("collapse"):  # the time-to-collapse curves: the share of each arm's seeds not collapsed by each step
+    files += figure("routing", ["moe/flip_frac", "moe/flip_any_layer_frac"]) + figure(
+        "ratio_tail", ["mismatch/ratio_p999", "mismatch/ratio_max"]
+    )
+    if spec := g.get(
+        "collapse"
+    ):  # the time-to-collapse curves: the share of each arm's seeds not collapsed by each step
         fig, ax = plt.subplots(figsize=(7, 3.5))
         grid = list(range(0, max(r["steps"] for r in runs) + 1))
         for a, rs in by_arm.items():
-            ax.step(grid, survival([collapse_step(r["rows"], spec["key"], spec["margin"], r.get("nonfinite_step")) for r in rs], grid),
-                    where="post", color=color[a], label=f"{a} (n={len(rs)})")
+            ax.step(
+                grid,
+                survival(
+                    [collapse_step(r["rows"], spec["key"], spec["margin"], r.get("nonfinite_step")) for r in rs], grid
+                ),
+                where="post",
+                color=color[a],
+                label=f"{a} (n={len(rs)})",
+            )
         ax.set(title=f"{task}: seeds not collapsed", xlabel="step", ylabel="share of seeds", ylim=(-0.05, 1.05))
         files.append(single(fig, ax, "survival"))
-    labels = sorted({k for rs in by_arm.values() for r in rs for row in r["rows"] for k in row if k.startswith("critic/ev_pos_")},
-                    key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
+    labels = sorted(
+        {k for rs in by_arm.values() for r in rs for row in r["rows"] for k in row if k.startswith("critic/ev_pos_")},
+        key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)],
+    )
     if labels:  # per-position EV at the end: mean over the last 20% of steps per run, then over seeds
         fig, ax = plt.subplots(figsize=(7, 3.5))
         for a, rs in by_arm.items():
-            end = [[row.get(k) for r in rs for row in r["rows"] if row["step"] > 0.8 * r["steps"] and finite(row.get(k))] for k in labels]
+            end = [
+                [row.get(k) for r in rs for row in r["rows"] if row["step"] > 0.8 * r["steps"] and finite(row.get(k))]
+                for k in labels
+            ]
             if any(end):
-                ax.plot(range(len(labels)), [np.mean(v) if v else np.nan for v in end], marker="o", color=color[a], label=a)
+                ax.plot(
+                    range(len(labels)), [np.mean(v) if v else np.nan for v in end], marker="o", color=color[a], label=a
+                )
         ax.set_xticks(range(len(labels)), [k.removeprefix("critic/ev_pos_") for k in labels], fontsize=7)
-        ax.set(title=f"{task}: explained variance per response position (last 20% of steps)", xlabel="response position", ylabel="EV")
+        ax.set(
+            title=f"{task}: explained variance per response position (last 20% of steps)",
+            xlabel="response position",
+            ylabel="EV",
+        )
         files.append(single(fig, ax, "ev_per_position"))
     return files
 
 
 def report(name, g, runs, meta, md_path, asset_dir, quick, n_aside=0):
-    ci = lambda c: "-" if c[2] == 0 else f"{c[0]:.1f}" if c[2] < 2 else f"{c[0]:.1f} ± {c[1]:.1f}"  # noqa: E731
-    fmt = lambda x, spec: "-" if x != x else format(x, spec)  # noqa: E731
-    out = [f"# Lab grid `{name}`" + (" (quick smoke variant: not evidence)" if quick else ""), "", "## Pre-registered hypothesis", "",
-           g["hypothesis"], "", "## Decision rule", "", g["decision_rule"], "",
-           *(["## Amendments (each written before the runs it concerns)", "", *[f"- {a}" for a in g["amendments"]], ""] if g.get("amendments") else []),
-           "## How it was run", "", "```", *meta.get("commands", []), "```", "",
-           f"Each run: `python train_ppo.py --out-dir <runs-dir>/{name}/<task>/<arm>/seed<k> --seed <k> --task <task> --steps <steps> <base> <task flags> <arm flags>`;"
-           f" steps {g['steps']}, seeds {g['seeds']}, tasks {g['tasks']}.", "", f"Base flags: `{shlex.join(g['base'])}`"
-           + "".join(f"; {t}: `{shlex.join(f)}`" for t, f in g.get("task_flags", {}).items()), "",
-           "| arm | flags | seeds finished (all tasks) |", "|---|---|---|"]
-    out += [f"| {a} | `{flags_text(f, g['tasks'])}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |" for a, f in g["arms"].items()]
+    def ci(c):
+        return "-" if c[2] == 0 else f"{c[0]:.1f}" if c[2] < 2 else f"{c[0]:.1f} ± {c[1]:.1f}"
+
+    def fmt(x, spec):
+        return "-" if x != x else format(x, spec)
+
+    out = [
+        f"# Lab grid `{name}`" + (" (quick smoke variant: not evidence)" if quick else ""),
+        "",
+        "## Pre-registered hypothesis",
+        "",
+        g["hypothesis"],
+        "",
+        "## Decision rule",
+        "",
+        g["decision_rule"],
+        "",
+        *(
+            ["## Amendments (each written before the runs it concerns)", "", *[f"- {a}" for a in g["amendments"]], ""]
+            if g.get("amendments")
+            else []
+        ),
+        "## How it was run",
+        "",
+        "```",
+        *meta.get("commands", []),
+        "```",
+        "",
+        f"Each run: `python train_ppo.py --out-dir <runs-dir>/{name}/<task>/<arm>/seed<k> --seed <k> --task <task> --steps <steps> <base> <task flags> <arm flags>`;"
+        f" steps {g['steps']}, seeds {g['seeds']}, tasks {g['tasks']}.",
+        "",
+        f"Base flags: `{shlex.join(g['base'])}`"
+        + "".join(f"; {t}: `{shlex.join(f)}`" for t, f in g.get("task_flags", {}).items()),
+        "",
+        "| arm | flags | seeds finished (all tasks) |",
+        "|---|---|---|",
+    ]
+    out += [
+        f"| {a} | `{flags_text(f, g['tasks'])}` | {sum(r['arm'] == a for r in runs)} of {len(g['seeds']) * len(g['tasks'])} |"
+        for a, f in g["arms"].items()
+    ]
     fps = {t: sorted({str(r.get("start_model")) for r in runs if r["task"] == t}) for t in g["tasks"]}
-    out += ["", "Start model per task (sha256 of its weights, 16 hex digits; None: a run from before fingerprints): "
-            + "; ".join(f"{t} {', '.join(f)}" for t, f in fps.items() if f) + "."]
+    out += [
+        "",
+        "Start model per task (sha256 of its weights, 16 hex digits; None: a run from before fingerprints): "
+        + "; ".join(f"{t} {', '.join(f)}" for t, f in fps.items() if f)
+        + ".",
+    ]
     if n_aside:
-        out += [f"{n_aside} earlier run(s) that started from another build of the start model are set aside (not in any table "
-                f"or verdict): `{os.path.basename(asset_dir)}/set-aside.jsonl.gz`."]
+        out += [
+            f"{n_aside} earlier run(s) that started from another build of the start model are set aside (not in any table "
+            f"or verdict): `{os.path.basename(asset_dir)}/set-aside.jsonl.gz`."
+        ]
     n_eval = sorted({r["eval_n"] for r in runs if r.get("eval_n")})
-    out += ["", f"Held-out problems per evaluation (from the run logs): {', '.join(map(str, n_eval)) or 'unknown'}. Accuracies in points: "
-            "seed mean ± half-width of the 95% t-interval; best = max over the evaluations after step 0. k3: mean over the first / last 20% "
-            "of steps; masked fractions: mean over all steps; EV: mean critic explained variance over steps 51-80; pretrain: critic "
-            "pretraining steps (seed mean), whose rollouts are not counted in the samples seen."]
-    for old in [f for f in os.listdir(asset_dir) if f.endswith(".png")]:  # no stale plots of arms or tasks since removed
+    out += [
+        "",
+        f"Held-out problems per evaluation (from the run logs): {', '.join(map(str, n_eval)) or 'unknown'}. Accuracies in points: "
+        "seed mean ± half-width of the 95% t-interval; best = max over the evaluations after step 0. k3: mean over the first / last 20% "
+        "of steps; masked fractions: mean over all steps; EV: mean critic explained variance over steps 51-80; pretrain: critic "
+        "pretraining steps (seed mean), whose rollouts are not counted in the samples seen.",
+    ]
+    for old in [
+        f for f in os.listdir(asset_dir) if f.endswith(".png")
+    ]:  # no stale plots of arms or tasks since removed
         os.remove(os.path.join(asset_dir, old))
     stats = {}
     for task in g["tasks"]:
-        out += ["", f"## {task}", "", "| arm | seeds | final greedy | best greedy | final sampled | k3 first 20% | k3 last 20% | masked low "
-                "| masked high | EV 51-80 | pretrain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            "",
+            f"## {task}",
+            "",
+            "| arm | seeds | final greedy | best greedy | final sampled | k3 first 20% | k3 last 20% | masked low "
+            "| masked high | EV 51-80 | pretrain |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for a in g["arms"]:
             c = arm_stats([r for r in runs if r["task"] == task and r["arm"] == a], g.get("collapse"))
             if not c["seeds"]:
                 out.append(f"| {a} | 0 |" + " - |" * 9)
                 continue
             stats.setdefault(task, {})[a] = c
-            out.append(f"| {a} | {len(c['seeds'])} | {ci(c['final_greedy'])} | {ci(c['best_greedy'])} | {ci(c['final_sampled'])} | {fmt(c['k3_first'][0], '.2e')} "
-                       f"| {fmt(c['k3_last'][0], '.2e')} | {fmt(c['masked_low'][0], '.3%')} | {fmt(c['masked_high'][0], '.3%')} "
-                       f"| {fmt(c['ev_51_80'][0], '.2f')} | {fmt(c['pretrain'][0], '.0f')} |")
+            out.append(
+                f"| {a} | {len(c['seeds'])} | {ci(c['final_greedy'])} | {ci(c['best_greedy'])} | {ci(c['final_sampled'])} | {fmt(c['k3_first'][0], '.2e')} "
+                f"| {fmt(c['k3_last'][0], '.2e')} | {fmt(c['masked_low'][0], '.3%')} | {fmt(c['masked_high'][0], '.3%')} "
+                f"| {fmt(c['ev_51_80'][0], '.2f')} | {fmt(c['pretrain'][0], '.0f')} |"
+            )
         if g.get("moe") and task in stats:  # routing and the ratio's tail: seed means of per-run values
-            out += ["", "Routing and the ratio's tail (seed means; flips: mean over steps of the share of token-layer router choices, "
-                    "or of tokens in any layer, that differ between engine and trainer; ratio p99.9: mean over steps of the "
-                    "step's 99.9% quantile of pi_trainer / pi_engine; ratio max: the largest over the run; grad norm: the policy's, "
-                    "mean over steps):", "", "| arm | flips | flips any layer | ratio p99.9 | ratio max | grad norm |", "|---|---|---|---|---|---|"]
-            out += [f"| {a} | {fmt(c['flips'][0], '.2%')} | {fmt(c['flips_any'][0], '.2%')} | {fmt(c['ratio_p999'][0], '.3f')} "
-                    f"| {fmt(c['ratio_max'][0], '.2f')} | {fmt(c['grad_norm'][0], '.3f')} |" for a, c in stats[task].items()]
+            out += [
+                "",
+                "Routing and the ratio's tail (seed means; flips: mean over steps of the share of token-layer router choices, "
+                "or of tokens in any layer, that differ between engine and trainer; ratio p99.9: mean over steps of the "
+                "step's 99.9% quantile of pi_trainer / pi_engine; ratio max: the largest over the run; grad norm: the policy's, "
+                "mean over steps):",
+                "",
+                "| arm | flips | flips any layer | ratio p99.9 | ratio max | grad norm |",
+                "|---|---|---|---|---|---|",
+            ]
+            out += [
+                f"| {a} | {fmt(c['flips'][0], '.2%')} | {fmt(c['flips_any'][0], '.2%')} | {fmt(c['ratio_p999'][0], '.3f')} "
+                f"| {fmt(c['ratio_max'][0], '.2f')} | {fmt(c['grad_norm'][0], '.3f')} |"
+                for a, c in stats[task].items()
+            ]
         if task in stats:
             rel = os.path.relpath(asset_dir, os.path.dirname(md_path))
             out += [""] + [f"![{f}]({rel}/{f})" for f in plots(g, runs, task, asset_dir)]
     out += ["", "## Verdict (computed mechanically from the decision rule)", ""]
     if (done := len(runs)) < (planned := len(g["arms"]) * len(g["tasks"]) * len(g["seeds"])):
-        out += [f"**Partial grid: {done} of {planned} runs finished.** What follows applies the rule to the finished runs only; "
-                "the grid's verdict is the one computed once every run has finished.", ""]
+        out += [
+            f"**Partial grid: {done} of {planned} runs finished.** What follows applies the rule to the finished runs only; "
+            "the grid's verdict is the one computed once every run has finished.",
+            "",
+        ]
     out += VERDICTS[name](stats)
     if meta.get("failed"):
         out += ["", "## Failed runs", ""] + [f"- `{k}`, log ends:\n\n```\n{v}\n```" for k, v in meta["failed"].items()]
@@ -855,29 +1367,51 @@ def report(name, g, runs, meta, md_path, asset_dir, quick, n_aside=0):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("grid", choices=sorted(GRIDS))
-    p.add_argument("--quick", action="store_true", help="smoke variant: 2 seeds, addition, 2 arms, 4 steps; report under the runs dir")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke variant: 2 seeds, addition, 2 arms, 4 steps; report under the runs dir",
+    )
     p.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: one per core)")
     p.add_argument("--runs-dir", default="lab_runs")
-    p.add_argument("--only-report", action="store_true", help="train nothing: report from the run folders and the compact metrics file")
+    p.add_argument(
+        "--only-report",
+        action="store_true",
+        help="train nothing: report from the run folders and the compact metrics file",
+    )
     p.add_argument("--arms", help="comma-separated arm labels, or 'core'")
     p.add_argument("--tasks", help="comma-separated tasks")
     p.add_argument("--seeds", help="comma-separated seeds")
-    p.add_argument("--set-aside", action="store_true", help="move stored runs that started from another build of the start model "
-                   "out of the grid (into set-aside.jsonl.gz beside its metrics) instead of refusing to run")
+    p.add_argument(
+        "--set-aside",
+        action="store_true",
+        help="move stored runs that started from another build of the start model "
+        "out of the grid (into set-aside.jsonl.gz beside its metrics) instead of refusing to run",
+    )
     args = p.parse_args()
     g = grid_spec(args.grid, args.quick)
     if not args.quick and (todo := unregistered(g)):
-        sys.exit(f"grid {args.grid} is not registered: {', '.join(todo)} still hold {TODO}. Write them and commit before the first "
-                 "run (--quick runs the smoke variant)")
+        sys.exit(
+            f"grid {args.grid} is not registered: {', '.join(todo)} still hold {TODO}. Write them and commit before the first "
+            "run (--quick runs the smoke variant)"
+        )
     root = os.path.abspath(os.path.join(args.runs_dir, args.grid + ("-quick" if args.quick else "")))
-    md_path, asset_dir = (f"{root}/report.md", f"{root}/report") if args.quick else (f"{REPO}/docs/lab/{args.grid}.md", f"{REPO}/docs/lab/{args.grid}")
+    md_path, asset_dir = (
+        (f"{root}/report.md", f"{root}/report")
+        if args.quick
+        else (f"{REPO}/docs/lab/{args.grid}.md", f"{REPO}/docs/lab/{args.grid}")
+    )
     compact, aside = os.path.join(asset_dir, "metrics.jsonl.gz"), os.path.join(asset_dir, "set-aside.jsonl.gz")
     meta, stored = load_compact(compact)
     if not args.only_report:
         arms = g["core"] if args.arms == "core" else args.arms.split(",") if args.arms else list(g["arms"])
         tasks = args.tasks.split(",") if args.tasks else g["tasks"]
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else g["seeds"]
-        if bad := [x for x in arms if x not in g["arms"]] + [t for t in tasks if t not in g["tasks"]] + [s for s in seeds if s not in g["seeds"]]:
+        if (
+            bad := [x for x in arms if x not in g["arms"]]
+            + [t for t in tasks if t not in g["tasks"]]
+            + [s for s in seeds if s not in g["seeds"]]
+        ):
             sys.exit(f"not in this grid: {bad}; arms {list(g['arms'])}, tasks {g['tasks']}, seeds {g['seeds']}")
         os.makedirs(root, exist_ok=True)
         if not os.path.exists(ignore := os.path.join(os.path.dirname(root), ".gitignore")):
@@ -887,7 +1421,13 @@ def main():
         meta["commands"] = [c for c in meta.get("commands", []) if c != command] + [command]
         # Core arms first; within a phase, every arm of a seed before the next seed, so a partial grid stays balanced.
         core = [a for a in g["core"] if a in arms]
-        todo = [(t, a, s) for phase in (core, [a for a in arms if a not in core]) for t in tasks for s in seeds for a in phase]
+        todo = [
+            (t, a, s)
+            for phase in (core, [a for a in arms if a not in core])
+            for t in tasks
+            for s in seeds
+            for a in phase
+        ]
         # One grid, one start model: stored runs that started from another build of it (another CPU, library or code
         # version; older runs carry no fingerprint) are never mixed with new ones. --set-aside moves them out. The start
         # models are kept beside the report (keep_start_model), so a grid resumed on a fresh machine restores them.
@@ -895,28 +1435,49 @@ def main():
         fps = {t: start_model(p) for t, p in paths.items()}
         if other := [r for r in stored if r["task"] in fps and r.get("start_model") != fps[r["task"]]]:
             if not args.set_aside:
-                sys.exit(f"{len(other)} stored run(s) of {args.grid} started from another build of the start model (fingerprints "
-                         f"{sorted({str(r.get('start_model')) for r in other})}; this machine's: {fps}). New runs would not be "
-                         f"comparable with them: rerun with --set-aside to move them to {aside} and run the grid anew.")
+                sys.exit(
+                    f"{len(other)} stored run(s) of {args.grid} started from another build of the start model (fingerprints "
+                    f"{sorted({str(r.get('start_model')) for r in other})}; this machine's: {fps}). New runs would not be "
+                    f"comparable with them: rerun with --set-aside to move them to {aside} and run the grid anew."
+                )
             aside_meta, aside_runs = load_compact(aside)
-            save_compact(aside, {**aside_meta, "why": "started from another build of the start model"}, aside_runs + other)
+            save_compact(
+                aside, {**aside_meta, "why": "started from another build of the start model"}, aside_runs + other
+            )
             stored = [r for r in stored if r not in other]
             save_compact(compact, meta, stored)
             print(f"set aside {len(other)} stored run(s) into {aside}", flush=True)
         for p in paths.values():  # the runs about to start use these start models: a later machine restores them
             keep_start_model(p, asset_dir)
         try:
-            failed = run_all(g, root, todo, args.jobs, {(r["task"], r["arm"], r["seed"]) for r in stored if r["steps"] == steps_of(g, r["task"])})
-        except KeyboardInterrupt:  # the runs this process started were stopped (they resume next time); report the finished ones
+            failed = run_all(
+                g,
+                root,
+                todo,
+                args.jobs,
+                {(r["task"], r["arm"], r["seed"]) for r in stored if r["steps"] == steps_of(g, r["task"])},
+            )
+        except (
+            KeyboardInterrupt
+        ):  # the runs this process started were stopped (they resume next time); report the finished ones
             print("interrupted: writing the report of the finished runs", flush=True)
             failed = {}
-        old = {k: v for k, v in meta.get("failed", {}).items() if not finished(f"{root}/{k}", steps_of(g, k.split("/")[0]))}
+        old = {
+            k: v for k, v in meta.get("failed", {}).items() if not finished(f"{root}/{k}", steps_of(g, k.split("/")[0]))
+        }
         meta["failed"] = {**old, **failed}
     # Finished run folders win; runs only in the compact file (e.g. committed from another machine) are kept.
     local = collect(g, root) if os.path.isdir(root) else []
     have = {(r["task"], r["arm"], r["seed"]) for r in local}
-    runs = local + [r for r in stored if (r["task"], r["arm"], r["seed"]) not in have and r["arm"] in g["arms"] and r["task"] in g["tasks"]
-                    and r["seed"] in g["seeds"] and r["steps"] == steps_of(g, r["task"])]
+    runs = local + [
+        r
+        for r in stored
+        if (r["task"], r["arm"], r["seed"]) not in have
+        and r["arm"] in g["arms"]
+        and r["task"] in g["tasks"]
+        and r["seed"] in g["seeds"]
+        and r["steps"] == steps_of(g, r["task"])
+    ]
     if not runs:
         sys.exit(f"nothing to report: no finished runs under {root} and none in {compact}")
     os.makedirs(asset_dir, exist_ok=True)

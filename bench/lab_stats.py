@@ -11,10 +11,43 @@ import math
 import os
 
 # two-sided 95% t quantiles t_{0.975, df}, df = 1..30
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+T975 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+]
 NAN = float("nan")
-finite = lambda v: isinstance(v, (int, float)) and v == v  # noqa: E731  (not None, not NaN)
+
+
+def finite(v):
+    return isinstance(v, (int, float)) and v == v  # (not None, not NaN)
 
 
 def ci95(values):
@@ -35,8 +68,10 @@ def auc(rows, key, last):
     at `last` is an error (the area would cover another interval than every other run's)."""
     pts = sorted((r["step"], r[key]) for r in rows if finite(r.get(key)))
     if not pts or pts[0][0] != 0 or pts[-1][0] != last or last <= 0:
-        raise ValueError(f"AUC of {key} needs evaluations at step 0 and at the last step {last}; "
-                         f"this run has them at steps {[s for s, _ in pts]}")
+        raise ValueError(
+            f"AUC of {key} needs evaluations at step 0 and at the last step {last}; "
+            f"this run has them at steps {[s for s, _ in pts]}"
+        )
     return 100 * sum((s1 - s0) * (y0 + y1) / 2 for (s0, y0), (s1, y1) in zip(pts, pts[1:])) / last
 
 
@@ -78,44 +113,87 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None, root=""):
     task's perfect-critic ceiling (ceilings: {task: path of bench/value_ceiling.py's --out JSON, under root}), GRPO's
     identical-reward groups and vine's extra tokens. stats: {task: {arm: bench/lab.py's arm_stats(runs)}}, the ci95
     triples of run_stats' keys and "seeds": {seed: run_stats(run)}."""
-    fmt = lambda x, spec: "-" if not finite(x) else format(x, spec)  # noqa: E731
+
+    def fmt(x, spec):
+        return "-" if not finite(x) else format(x, spec)
+
     lines, decided, judged = [], [], set()
     for task, arms in stats.items():
-        seeds = lambda a, key: {s: p[key] for s, p in arms.get(a, {}).get("seeds", {}).items()}  # noqa: E731
+
+        def seeds(a, key):
+            return {s: p[key] for s, p in arms.get(a, {}).get("seeds", {}).items()}
+
         ceiling = load_ceiling(os.path.join(root, (ceilings or {})[task])) if task in (ceilings or {}) else {}
-        lines += [f"### {task}", "", "| arm | seeds | AUC sampled | AUC greedy | final sampled | EV last 20% (/ ceiling) | identical-reward groups "
-                  "| vine extra tokens |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {task}",
+            "",
+            "| arm | seeds | AUC sampled | AUC greedy | final sampled | EV last 20% (/ ceiling) | identical-reward groups "
+            "| vine extra tokens |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for a, c in arms.items():
             ev = c["vine_ev_last" if finite(c["vine_ev_last"][0]) else "critic_ev_last"][0]
-            ev = fmt(ev, ".2f") + (f" / {ceiling['perfect']:.2f}" if ceiling and finite(ev) else "")  # against the ceiling
-            lines.append(f"| {a} | {len(c['seeds'])} | {fmt(c['auc_sampled'][0], '.1f')} | {fmt(c['auc_greedy'][0], '.1f')} "
-                         f"| {fmt(c['final_sampled'][0], '.1f')} | {ev} | {fmt(c['identical'][0], '.1%')} | {fmt(c['vine_extra'][0], '.2f')} |")
-        lines += ["", "Perfect-critic ceiling of the start policy (bench/value_ceiling.py's Monte Carlo estimate, or bench/walk_design.py's "
-                  "exact one for walk): " + (
-            f"{ceiling['perfect']:.2f}; prompt-only {ceiling['prompt_only']:.2f} (`{ceilings[task]}`)." if ceiling else "not measured."), ""]
+            ev = fmt(ev, ".2f") + (
+                f" / {ceiling['perfect']:.2f}" if ceiling and finite(ev) else ""
+            )  # against the ceiling
+            lines.append(
+                f"| {a} | {len(c['seeds'])} | {fmt(c['auc_sampled'][0], '.1f')} | {fmt(c['auc_greedy'][0], '.1f')} "
+                f"| {fmt(c['final_sampled'][0], '.1f')} | {ev} | {fmt(c['identical'][0], '.1%')} | {fmt(c['vine_extra'][0], '.2f')} |"
+            )
+        lines += [
+            "",
+            "Perfect-critic ceiling of the start policy (bench/value_ceiling.py's Monte Carlo estimate, or bench/walk_design.py's "
+            "exact one for walk): "
+            + (
+                f"{ceiling['perfect']:.2f}; prompt-only {ceiling['prompt_only']:.2f} (`{ceilings[task]}`)."
+                if ceiling
+                else "not measured."
+            ),
+            "",
+        ]
         oracle = None
-        judged |= {judge(paired(seeds(a, "auc_sampled"), seeds(b, "auc_sampled"))[1], points, need) != "NOT JUDGED" for a, b in CREDIT}
+        judged |= {
+            judge(paired(seeds(a, "auc_sampled"), seeds(b, "auc_sampled"))[1], points, need) != "NOT JUDGED"
+            for a, b in CREDIT
+        }
         for i, (a, b) in enumerate(CREDIT, 1):
-            for key, kind in (("auc_sampled", "AUC of held-out sampled success"), ("final_sampled", "final sampled success (secondary)")):
+            for key, kind in (
+                ("auc_sampled", "AUC of held-out sampled success"),
+                ("final_sampled", "final sampled success (secondary)"),
+            ):
                 _, c = paired(seeds(a, key), seeds(b, key))
                 v = judge(c, points, need)
                 oracle = v if i == 1 and key == "auc_sampled" else oracle
                 informative = i == 1 or oracle == "BETTER"
                 if key == "auc_sampled" and informative and v in ("BETTER", "WORSE"):
                     decided.append(f"{task}: {a} {v} than {b}")
-                diff = f"paired difference {fmt(c[0], '+.1f')} ± {fmt(c[1], '.1f')} points over {c[2]} seeds" if c[2] else "no seeds finished in both arms"
-                lines.append(f"- ({i}) {a} vs {b}, {kind}: **{v}** ({diff})" + ("" if informative else ", uninformative: the oracle is not BETTER"))
+                diff = (
+                    f"paired difference {fmt(c[0], '+.1f')} ± {fmt(c[1], '.1f')} points over {c[2]} seeds"
+                    if c[2]
+                    else "no seeds finished in both arms"
+                )
+                lines.append(
+                    f"- ({i}) {a} vs {b}, {kind}: **{v}** ({diff})"
+                    + ("" if informative else ", uninformative: the oracle is not BETTER")
+                )
             if i == 1 and oracle == "NOT JUDGED":
-                lines.append(f"- **{task}: the oracle is not judged yet** (under {need} paired seeds): comparisons 2-4 on it are "
-                             "uninformative until it is (printed below for the record).")
+                lines.append(
+                    f"- **{task}: the oracle is not judged yet** (under {need} paired seeds): comparisons 2-4 on it are "
+                    "uninformative until it is (printed below for the record)."
+                )
             elif i == 1 and oracle != "BETTER":
-                lines.append(f"- **{task} cannot show a credit effect**: vine (the oracle) is not BETTER than reinforce ({oracle}); "
-                             "comparisons 2-4 on it are uninformative (printed below for the record).")
+                lines.append(
+                    f"- **{task} cannot show a credit effect**: vine (the oracle) is not BETTER than reinforce ({oracle}); "
+                    "comparisons 2-4 on it are uninformative (printed below for the record)."
+                )
         lines.append("")
     if decided:
         return lines + [f"Decisive comparisons (primary endpoint, informative tasks): {'; '.join(decided)}."]
-    return lines + (["**Null result**: no informative comparison on the primary endpoint is BETTER or WORSE."] if True in judged
-                    else [f"**Not judged**: no comparison has {need} paired seeds yet."])
+    return lines + (
+        ["**Null result**: no informative comparison on the primary endpoint is BETTER or WORSE."]
+        if True in judged
+        else [f"**Not judged**: no comparison has {need} paired seeds yet."]
+    )
 
 
 def fisher_exact(a: int, b: int, c: int, d: int) -> float:
@@ -123,7 +201,10 @@ def fisher_exact(a: int, b: int, c: int, d: int) -> float:
     not): the probability, under the hypergeometric law with the table's margins, of every table at most as likely as
     this one (R's fisher.test and scipy's convention, with a relative tolerance of 1e-7 on ties)."""
     n, row, col = a + b + c + d, a + b, a + c
-    p = lambda x: math.comb(col, x) * math.comb(n - col, row - x) / math.comb(n, row)  # noqa: E731  P(top-left cell = x)
+
+    def p(x):
+        return math.comb(col, x) * math.comb(n - col, row - x) / math.comb(n, row)  # P(top-left cell = x)
+
     here = p(a)
     return min(1.0, sum(q for x in range(max(0, row + col - n), min(row, col) + 1) if (q := p(x)) <= here * (1 + 1e-7)))
 

@@ -63,10 +63,14 @@ from data.tasks import encode_prompt, get_task  # noqa: E402
 from rollout import EmbeddedEngine, Sampling  # noqa: E402
 
 
-def ceilings(values: torch.Tensor, prompt_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def ceilings(
+    values: torch.Tensor, prompt_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """EV of V* and of the prompt-only V*(s_0), overall and per position bucket. All [B, T]."""
-    out = {"perfect": L.explained_variance(values, returns, mask).item(),
-           "prompt_only": L.explained_variance(prompt_values, returns, mask).item()}
+    out = {
+        "perfect": L.explained_variance(values, returns, mask).item(),
+        "prompt_only": L.explained_variance(prompt_values, returns, mask).item(),
+    }
     for name, v in (("perfect", values), ("prompt_only", prompt_values)):
         for key, ev in L.explained_variance_by_position(v, returns, mask).items():
             out[f"{name}/{key.removeprefix('critic/ev_pos_')}"] = ev.item()
@@ -74,7 +78,9 @@ def ceilings(values: torch.Tensor, prompt_values: torch.Tensor, returns: torch.T
 
 
 @torch.no_grad()
-def linear_probe(model_path: str, ro, pad_id: int, returns: torch.Tensor, mask: torch.Tensor, ridge: float = 1.0) -> torch.Tensor:
+def linear_probe(
+    model_path: str, ro, pad_id: int, returns: torch.Tensor, mask: torch.Tensor, ridge: float = 1.0
+) -> torch.Tensor:
     """Ridge regression of the return on [last hidden state, one-hot position] of the policy at each state
     (the value head's input), fitted on the first half of the rows; returns its predictions [B, T] for all rows
     (score the second half only)."""
@@ -83,7 +89,9 @@ def linear_probe(model_path: str, ro, pad_id: int, returns: torch.Tensor, mask: 
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     b = ro.to_batch(pad_id)
     P = b.response_start
-    h = policy.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).last_hidden_state[:, P - 1 : -1]
+    h = policy.model(
+        input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
+    ).last_hidden_state[:, P - 1 : -1]
     B, T = mask.shape
     x = torch.cat([h, torch.eye(T).expand(B, T, T)], -1).double()  # [B, T, hidden + T]
     fit = mask.clone()
@@ -93,7 +101,9 @@ def linear_probe(model_path: str, ro, pad_id: int, returns: torch.Tensor, mask: 
     return (x @ w).float()
 
 
-def headroom(values: torch.Tensor, prompt_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def headroom(
+    values: torch.Tensor, prompt_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Per response position t, Var_t(R - V*) / Var_t(R - V_prompt) over the rows alive at t (mask[:, t]); NaN where
     the denominator is 0 or fewer than 2 rows are alive. All [B, T]; returns [T]."""
     out = torch.full((mask.size(1),), float("nan"))
@@ -105,8 +115,16 @@ def headroom(values: torch.Tensor, prompt_values: torch.Tensor, returns: torch.T
     return out
 
 
-def measure(model: str = "", task: str = "addition", prompts: int = 256, k: int = 32, temperature: float = 1.0, seed: int = 0,
-            env: str = "", max_turns: int = 0) -> dict:
+def measure(
+    model: str = "",
+    task: str = "addition",
+    prompts: int = 256,
+    k: int = 32,
+    temperature: float = 1.0,
+    seed: int = 0,
+    env: str = "",
+    max_turns: int = 0,
+) -> dict:
     """The ceilings, the headroom bound and the probe of `model` (empty: the task's default tiny model) on the first
     `prompts` train rows of `task` (or of an --env played on them), as a flat dict: perfect, prompt_only, probe and
     their "<name>/<bucket>" figures, headroom, headroom_ratio, headroom_ratio/<bucket>, states, and the run's sizes."""
@@ -119,7 +137,9 @@ def measure(model: str = "", task: str = "addition", prompts: int = 256, k: int 
     if not model:
         from data.tiny import default_model
 
-        model = default_model(os.path.join(REPO, ".cache"), task=task if task in ("addition", "sort", "guess", "walk") else "addition")
+        model = default_model(
+            os.path.join(REPO, ".cache"), task=task if task in ("addition", "sort", "guess", "walk") else "addition"
+        )
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -130,8 +150,20 @@ def measure(model: str = "", task: str = "addition", prompts: int = 256, k: int 
     s = Sampling(temperature, max_new_tokens=t_.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=seed)
     play = None
     if t_.env is not None:
-        play = lambda eng, r, s_, **kw: run_episodes(eng, tok, t_.env, r, s_, max_turns=max_turns or t_.max_turns,  # noqa: E731
-                                                     context_len=engine.max_positions, timeout=t_.user_timeout, **kw)
+
+        def play(eng, r, s_, **kw):
+            return run_episodes(
+                eng,
+                tok,
+                t_.env,
+                r,
+                s_,
+                max_turns=max_turns or t_.max_turns,
+                context_len=engine.max_positions,
+                timeout=t_.user_timeout,
+                **kw,
+            )
+
         out = play(engine, rows.to_list(), s, snapshots=True)
         ro, ok = out.rollout, torch.ones(len(out.rollout.mask), dtype=torch.bool)
         R, rewards = out.returns[out.episode].float(), out.rewards
@@ -152,15 +184,29 @@ def measure(model: str = "", task: str = "addition", prompts: int = 256, k: int 
     ratio = headroom(values, prompt_values, returns, mask)
     mean_ratio = ratio.nanmean().item()
     out_.update(headroom=1 / mean_ratio, headroom_ratio=mean_ratio)
-    out_.update({f"headroom_ratio/{lab}": ratio[lo:hi].nanmean().item() for lab, lo, hi in L.position_buckets(mask.size(1))})
+    out_.update(
+        {f"headroom_ratio/{lab}": ratio[lo:hi].nanmean().item() for lab, lo, hi in L.position_buckets(mask.size(1))}
+    )
     probe = linear_probe(model, ro, tok.pad_token_id, returns, mask)
     half = mask.clone()
     half[: len(half) // 2] = False  # the probe is scored on the trajectories it was not fitted on
     out_["probe"] = L.explained_variance(probe, returns, half).item()
-    out_.update({f"probe/{q.removeprefix('critic/ev_pos_')}": x.item() for q, x in L.explained_variance_by_position(probe, returns, half).items()})
-    out_.update(model=model, task=t_.name, prompts=len(rows), k=k, seconds=round(time.perf_counter() - start, 1),
-                mean_return=R[ok].mean().item(), states="turn starts" if play else "every response token",
-                extra_tokens=v.extra_tokens)
+    out_.update(
+        {
+            f"probe/{q.removeprefix('critic/ev_pos_')}": x.item()
+            for q, x in L.explained_variance_by_position(probe, returns, half).items()
+        }
+    )
+    out_.update(
+        model=model,
+        task=t_.name,
+        prompts=len(rows),
+        k=k,
+        seconds=round(time.perf_counter() - start, 1),
+        mean_return=R[ok].mean().item(),
+        states="turn starts" if play else "every response token",
+        extra_tokens=v.extra_tokens,
+    )
     return out_
 
 
@@ -168,7 +214,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="", help="HF model folder; empty = the default tiny model of --task")
     ap.add_argument("--task", default="addition", help="addition, sort, guess, or a .jsonl/.parquet file")
-    ap.add_argument("--env", default="", help="a multi-turn environment played on --task's rows (as train_ppo.py's --env)")
+    ap.add_argument(
+        "--env", default="", help="a multi-turn environment played on --task's rows (as train_ppo.py's --env)"
+    )
     ap.add_argument("--max-turns", type=int, default=0, help="multi-turn: turns per episode; 0 = the task's")
     ap.add_argument("--prompts", type=int, default=256, help="train prompts (trajectories)")
     ap.add_argument("--k", type=int, default=32, help="continuations per state")
@@ -178,13 +226,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     out = measure(args.model, args.task, args.prompts, args.k, args.temperature, args.seed, args.env, args.max_turns)
-    print(f"Monte Carlo value ceiling: {out['task']}, {out['prompts']} prompts x {out['k']} continuations per state "
-          f"({out['states']}), mean return {out['mean_return']:.3f}, {out['seconds']} s\n  model {out['model']}")
+    print(
+        f"Monte Carlo value ceiling: {out['task']}, {out['prompts']} prompts x {out['k']} continuations per state "
+        f"({out['states']}), mean return {out['mean_return']:.3f}, {out['seconds']} s\n  model {out['model']}"
+    )
     buckets = [key.removeprefix("perfect/") for key in out if key.startswith("perfect/")]
     print(f"  {'':12s} {'overall':>8s} " + " ".join(f"{lab:>6s}" for lab in buckets))
     for name in ("perfect", "prompt_only", "probe"):
         print(f"  {name:12s} {out[name]:8.3f} " + " ".join(f"{out[f'{name}/{lab}']:6.3f}" for lab in buckets))
-    print(f"  headroom 1/{out['headroom']:.1f} (mean over positions of Var(R - V*) / Var(R - V_prompt) = {out['headroom_ratio']:.3f})")
+    print(
+        f"  headroom 1/{out['headroom']:.1f} (mean over positions of Var(R - V*) / Var(R - V_prompt) = {out['headroom_ratio']:.3f})"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

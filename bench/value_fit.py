@@ -47,17 +47,31 @@ from rollout import EmbeddedEngine, Sampling  # noqa: E402
 from value_model import build_critic, set_head_to_mean  # noqa: E402
 
 
-def sample(task, tok, model: str, rows, seed: int, max_turns: int = 0, temperature: float = 1.0, max_new_tokens: int = 0):
+def sample(
+    task, tok, model: str, rows, seed: int, max_turns: int = 0, temperature: float = 1.0, max_new_tokens: int = 0
+):
     """(Rollout or agent.Episodes, its Rollout, Monte Carlo returns [B, T], mask [B, T]) of one sample per row
     (max_new_tokens 0: the task's)."""
     engine = EmbeddedEngine(model, dtype="fp32")
-    s = Sampling(temperature, max_new_tokens=max_new_tokens or task.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=seed)
+    s = Sampling(
+        temperature, max_new_tokens=max_new_tokens or task.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=seed
+    )
     play = None
     if task.env is not None:
         from agent import run_episodes
 
-        play = lambda eng, r, s_: run_episodes(eng, tok, task.env, r, s_, max_turns=max_turns or task.max_turns,  # noqa: E731
-                                               context_len=engine.max_positions, timeout=task.user_timeout)
+        def play(eng, r, s_):
+            return run_episodes(
+                eng,
+                tok,
+                task.env,
+                r,
+                s_,
+                max_turns=max_turns or task.max_turns,
+                context_len=engine.max_positions,
+                timeout=task.user_timeout,
+            )
+
     out = rollouts(engine, tok, rows, s, play)
     _, sc = scored(task, tok, rows, 1, out, play)
     ro = out.rollout if play else out
@@ -71,16 +85,36 @@ def sample(task, tok, model: str, rows, seed: int, max_turns: int = 0, temperatu
 
 @torch.no_grad()
 def values_of(critic, tb, rows: torch.Tensor, cfg: Config) -> torch.Tensor:
-    return torch.cat([response_values(critic, tb, r, cfg) for r in micro(rows, cfg)]) if len(rows) else torch.zeros(0, tb.keep.numel())
+    return (
+        torch.cat([response_values(critic, tb, r, cfg) for r in micro(rows, cfg)])
+        if len(rows)
+        else torch.zeros(0, tb.keep.numel())
+    )
 
 
 def evs(v: torch.Tensor, r: torch.Tensor, m: torch.Tensor) -> dict[str, float]:
     out = {"ev": L.explained_variance(v, r, m).item()}
-    out.update({k.removeprefix("critic/ev_pos_"): e.item() for k, e in L.explained_variance_by_position(v, r, m).items()})
+    out.update(
+        {k.removeprefix("critic/ev_pos_"): e.item() for k, e in L.explained_variance_by_position(v, r, m).items()}
+    )
     return out
 
 
-def fit(critic, tb, returns, mask, fit_rows, held_rows, *, epochs: int, batch: int, lr: float, seed: int, cfg: Config, log=print):
+def fit(
+    critic,
+    tb,
+    returns,
+    mask,
+    fit_rows,
+    held_rows,
+    *,
+    epochs: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    cfg: Config,
+    log=print,
+):
     """Train the critic on fit_rows; per epoch {"epoch", "held": evs, "fit": evs}. tb: the critic's TrainBatch."""
     set_head_to_mean(critic, returns[fit_rows, 0][mask[fit_rows].any(-1)].sum(), mask[fit_rows].any(-1).sum())
     opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
@@ -91,15 +125,26 @@ def fit(critic, tb, returns, mask, fit_rows, held_rows, *, epochs: int, batch: i
         for mb in fit_rows[torch.randperm(len(fit_rows), generator=g)].split(batch):
             denom = L.loss_denominator(mask[mb], cfg.agg, mask.size(1)).clamp_min(1)
             for r in micro(mb, cfg):
-                loss, _ = L.value_loss(v := response_values(critic, tb, r, cfg), v.detach(), returns[r], mask[r], clip=None,
-                                       scale=cfg.value_scale, agg=cfg.agg, num_tokens=denom)
+                loss, _ = L.value_loss(
+                    v := response_values(critic, tb, r, cfg),
+                    v.detach(),
+                    returns[r],
+                    mask[r],
+                    clip=None,
+                    scale=cfg.value_scale,
+                    agg=cfg.agg,
+                    num_tokens=denom,
+                )
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
         critic.eval()
-        row = {"epoch": epoch, "held": evs(values_of(critic, tb, held_rows, cfg), returns[held_rows], mask[held_rows]),
-               "fit": evs(values_of(critic, tb, fit_rows, cfg), returns[fit_rows], mask[fit_rows])}
+        row = {
+            "epoch": epoch,
+            "held": evs(values_of(critic, tb, held_rows, cfg), returns[held_rows], mask[held_rows]),
+            "fit": evs(values_of(critic, tb, fit_rows, cfg), returns[fit_rows], mask[fit_rows]),
+        }
         log(f"  epoch {epoch}: held-out EV {row['held']['ev']:.3f}, fit EV {row['fit']['ev']:.3f}")
         hist.append(row)
     return hist
@@ -117,11 +162,17 @@ def split(prompts: list, holdout: float, seed: int) -> tuple[torch.Tensor, torch
 def table(hist: list[dict], ceiling: dict | None) -> str:
     buckets = [k for k in hist[-1]["held"] if k != "ev"]
     lines = [f"  {'':16s} {'overall':>8s} " + " ".join(f"{b:>6s}" for b in buckets)]
-    fmt = lambda d, k: f"{d[k]:6.3f}" if isinstance(d.get(k), (int, float)) and math.isfinite(d[k]) else f"{'-':>6s}"  # noqa: E731
+
+    def fmt(d, k):
+        return f"{d[k]:6.3f}" if isinstance(d.get(k), (int, float)) and math.isfinite(d[k]) else f"{'-':>6s}"
+
     for h in hist:
         for side in ("held", "fit"):
             d = h[side]
-            lines.append(f"  {'epoch ' + str(h['epoch']) + ' ' + side:16s} {fmt(d, 'ev'):>8s} " + " ".join(fmt(d, b) for b in buckets))
+            lines.append(
+                f"  {'epoch ' + str(h['epoch']) + ' ' + side:16s} {fmt(d, 'ev'):>8s} "
+                + " ".join(fmt(d, b) for b in buckets)
+            )
     if ceiling:
         last = hist[-1]["held"]
         for name in ("perfect", "prompt_only", "probe"):
@@ -129,8 +180,10 @@ def table(hist: list[dict], ceiling: dict | None) -> str:
                 d = {"ev": ceiling[name], **{b: ceiling.get(f"{name}/{b}") for b in buckets}}
                 lines.append(f"  {name:16s} {fmt(d, 'ev'):>8s} " + " ".join(fmt(d, b) for b in buckets))
         if "perfect" in ceiling:
-            d = {k: last[k] / ceiling[p] if isinstance(ceiling.get(p), (int, float)) and ceiling[p] > 0 else None
-                 for k, p in [("ev", "perfect")] + [(b, f"perfect/{b}") for b in buckets]}
+            d = {
+                k: last[k] / ceiling[p] if isinstance(ceiling.get(p), (int, float)) and ceiling[p] > 0 else None
+                for k, p in [("ev", "perfect")] + [(b, f"perfect/{b}") for b in buckets]
+            }
             lines.append(f"  {'fit / perfect':16s} {fmt(d, 'ev'):>8s} " + " ".join(fmt(d, b) for b in buckets))
         if "headroom" in ceiling:
             lines.append(f"  headroom (value_ceiling.py): {ceiling['headroom']}")
@@ -142,25 +195,36 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="", help="HF model folder; empty = the default tiny model of --task")
     ap.add_argument("--task", default="addition", help="addition, sort, or a .jsonl/.parquet file")
     ap.add_argument("--reward", default="", help="as train_ppo.py's --reward: '' (exact), 'math', 'file.py:fn'")
-    ap.add_argument("--rollouts", type=int, default=1024, help="N: one sample per train row (rows repeat if N exceeds them)")
+    ap.add_argument(
+        "--rollouts", type=int, default=1024, help="N: one sample per train row (rows repeat if N exceeds them)"
+    )
     ap.add_argument("--temperature", type=float, default=1.0, help="the frozen policy's sampling temperature")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="response budget; 0 = the task's")
     ap.add_argument("--holdout", type=float, default=1 / 8, help="fraction of the prompts held out")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64, help="rows per optimiser step")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--critic-context", choices=("policy", "answer", "env"), default="policy",
-                    help="as train_ppo.py's: policy = the policy's tokens; answer = the reference answer prefixed; env = the "
-                         "environment's critic_context() string prefixed (multi-turn)")
+    ap.add_argument(
+        "--critic-context",
+        choices=("policy", "answer", "env"),
+        default="policy",
+        help="as train_ppo.py's: policy = the policy's tokens; answer = the reference answer prefixed; env = the "
+        "environment's critic_context() string prefixed (multi-turn)",
+    )
     ap.add_argument("--ceiling", default="", help="bench/value_ceiling.py --out JSON to print beside the fit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="also write the figures as JSON here")
     args = ap.parse_args(argv)
-    for bad, msg in ((args.rollouts < 2, "--rollouts must be >= 2"), (not 0 < args.holdout < 1, "--holdout must be in (0, 1)"),
-                     (args.epochs < 1, "--epochs must be >= 1"), (args.batch < 1, "--batch must be >= 1"),
-                     (not args.lr > 0, "--lr must be > 0"),
-                     (not args.temperature > 0, "--temperature must be > 0"), (args.max_new_tokens < 0, "--max-new-tokens must be >= 0"),
-                     (args.ceiling and not os.path.isfile(args.ceiling), f"--ceiling {args.ceiling!r}: no such file")):
+    for bad, msg in (
+        (args.rollouts < 2, "--rollouts must be >= 2"),
+        (not 0 < args.holdout < 1, "--holdout must be in (0, 1)"),
+        (args.epochs < 1, "--epochs must be >= 1"),
+        (args.batch < 1, "--batch must be >= 1"),
+        (not args.lr > 0, "--lr must be > 0"),
+        (not args.temperature > 0, "--temperature must be > 0"),
+        (args.max_new_tokens < 0, "--max-new-tokens must be >= 0"),
+        (args.ceiling and not os.path.isfile(args.ceiling), f"--ceiling {args.ceiling!r}: no such file"),
+    ):
         if bad:
             ap.error(msg)
     ceiling = json.load(open(args.ceiling)) if args.ceiling else None
@@ -173,13 +237,18 @@ def main(argv=None) -> dict:
     if not model:
         from data.tiny import default_model
 
-        model = default_model(os.path.join(REPO, ".cache"), task=args.task if args.task in ("addition", "sort", "guess", "walk") else "addition")
+        model = default_model(
+            os.path.join(REPO, ".cache"),
+            task=args.task if args.task in ("addition", "sort", "guess", "walk") else "addition",
+        )
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
     start = time.perf_counter()
     rows = task.train.select([i % len(task.train) for i in range(args.rollouts)])
-    out, ro, returns, mask = sample(task, tok, model, rows, args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    out, ro, returns, mask = sample(
+        task, tok, model, rows, args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens
+    )
     sampled = time.perf_counter() - start
     if args.critic_context == "policy":
         tb = ro.to_batch(tok.pad_token_id)
@@ -189,15 +258,43 @@ def main(argv=None) -> dict:
     cfg = Config()
     critic = build_critic(model, dtype=torch.float32)
     mean_return = returns[:, 0][mask.any(-1)].mean().item()
-    print(f"value fit: {task.name}, {len(rows)} rollouts ({len(fit_rows)} fit / {len(held_rows)} held out), mean return "
-          f"{mean_return:.3f}, critic context {args.critic_context}, lr {args.lr}, {args.epochs} epochs of batch {args.batch}"
-          f" ({args.epochs * math.ceil(len(fit_rows) / args.batch)} steps); sampled in {sampled:.0f} s\n  model {model}")
-    hist = fit(critic, tb, returns, mask, fit_rows, held_rows, epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed, cfg=cfg)
+    print(
+        f"value fit: {task.name}, {len(rows)} rollouts ({len(fit_rows)} fit / {len(held_rows)} held out), mean return "
+        f"{mean_return:.3f}, critic context {args.critic_context}, lr {args.lr}, {args.epochs} epochs of batch {args.batch}"
+        f" ({args.epochs * math.ceil(len(fit_rows) / args.batch)} steps); sampled in {sampled:.0f} s\n  model {model}"
+    )
+    hist = fit(
+        critic,
+        tb,
+        returns,
+        mask,
+        fit_rows,
+        held_rows,
+        epochs=args.epochs,
+        batch=args.batch,
+        lr=args.lr,
+        seed=args.seed,
+        cfg=cfg,
+    )
     print(table(hist, ceiling))
-    out = {"model": model, "task": task.name, "rollouts": len(rows), "fit_rows": len(fit_rows), "held_rows": len(held_rows),
-           "critic_context": args.critic_context, "temperature": args.temperature, "lr": args.lr, "epochs": args.epochs, "batch": args.batch, "seed": args.seed,
-           "mean_return": mean_return, "seconds": round(time.perf_counter() - start, 1), "history": hist,
-           "held": hist[-1]["held"], "fit": hist[-1]["fit"]}
+    out = {
+        "model": model,
+        "task": task.name,
+        "rollouts": len(rows),
+        "fit_rows": len(fit_rows),
+        "held_rows": len(held_rows),
+        "critic_context": args.critic_context,
+        "temperature": args.temperature,
+        "lr": args.lr,
+        "epochs": args.epochs,
+        "batch": args.batch,
+        "seed": args.seed,
+        "mean_return": mean_return,
+        "seconds": round(time.perf_counter() - start, 1),
+        "history": hist,
+        "held": hist[-1]["held"],
+        "fit": hist[-1]["fit"],
+    }
     if ceiling and isinstance(ceiling.get("perfect"), (int, float)) and ceiling["perfect"] > 0:
         out["fit_over_perfect"] = hist[-1]["held"]["ev"] / ceiling["perfect"]
     if args.out:

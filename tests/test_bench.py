@@ -13,8 +13,15 @@ spec.loader.exec_module(bench_train)
 
 
 def test_train_flops_hand_case(tmp_path):
-    LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)
     # a layer: q, o 128 x 128; k, v 128 x 64; gate, up, down 128 x 512; two RMSNorms of 128; plus the final norm
     n = 4 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 512 + 2 * 128) + 128
     cfg = {"model_path": str(tmp_path), "algo": "ppo", "ppo_epochs": 1, "critic_updates": 2, "kl": "none"}

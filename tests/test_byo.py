@@ -24,7 +24,7 @@ def addition_rows(n):
 
 # ----------------------------------------------------------------------------- (a) the done criterion, end to end
 
-REWARD_FILE = '''
+REWARD_FILE = """
 import json, os
 
 def fn(completions, *, prompts, answer, difficulty, **columns):
@@ -33,7 +33,7 @@ def fn(completions, *, prompts, answer, difficulty, **columns):
                             "difficulty": difficulty}) + "\\n")
     return [None if d == 2 else {"score": float(c.strip() == a), "pred": c.strip(), "len": len(c)}
             for c, a, d in zip(completions, answer, difficulty)]
-'''
+"""
 
 
 @pytest.mark.e2e
@@ -46,9 +46,29 @@ def test_command_line_run_with_own_reward_and_folder(tmp_path):
     datasets.Dataset.from_list(rows).save_to_disk(folder)
     (tmp_path / "reward.py").write_text(REWARD_FILE)
     out, log = tmp_path / "run", tmp_path / "calls.jsonl"
-    res = train_cli("--task", folder, "--prompt-key", "question", "--answer-key", "solution", "--reward", f"{tmp_path / 'reward.py'}:fn",
-                    "--steps", "1", "--rollout-batch", "8", "--eval-size", "8", "--critic-pretrain", "0", "--eval-samples", "4",
-                    "--out-dir", out, env={"BYO_LOG": str(log)})
+    res = train_cli(
+        "--task",
+        folder,
+        "--prompt-key",
+        "question",
+        "--answer-key",
+        "solution",
+        "--reward",
+        f"{tmp_path / 'reward.py'}:fn",
+        "--steps",
+        "1",
+        "--rollout-batch",
+        "8",
+        "--eval-size",
+        "8",
+        "--critic-pretrain",
+        "0",
+        "--eval-samples",
+        "4",
+        "--out-dir",
+        out,
+        env={"BYO_LOG": str(log)},
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
     truth = {r["question"]: r["difficulty"] for r in rows}
@@ -85,7 +105,9 @@ def test_grpo_advantages_use_the_rewarded_members_only():
     g = torch.tensor([1.0, 0.0, 1.0])  # group 0's rewarded members
     torch.testing.assert_close(adv[[0, 1, 3]], (g - g.mean()) / (g.std() + 1e-6))
     assert adv[2] == 0 and (adv[4:] == 0).all()  # a None member, and a group with 1 rewarded member: nothing
-    torch.testing.assert_close(L.grpo_advantages(scores, 4, valid=torch.ones(8, dtype=torch.bool)), L.grpo_advantages(scores, 4))
+    torch.testing.assert_close(
+        L.grpo_advantages(scores, 4, valid=torch.ones(8, dtype=torch.bool)), L.grpo_advantages(scores, 4)
+    )
     dr = L.grpo_advantages(scores, 4, norm_std=False, valid=valid)
     torch.testing.assert_close(dr[[0, 1, 3]], g - g.mean())
 
@@ -107,7 +129,9 @@ def test_ppo_none_row_leaves_the_loss(agg):
         r[torch.arange(len(rows)), gen[rows].sum(-1) - 1] = scores[rows]
         adv = L.gae(r, values[rows], mask, 1.0, 0.95)[0]
         denom = denominator(mask, keep[rows], Config(agg=agg), T, None)
-        loss, _ = L.ppo_policy_loss(logp[rows], old[rows], adv, mask, clip_low=0.2, clip_high=0.28, agg=agg, num_tokens=denom)
+        loss, _ = L.ppo_policy_loss(
+            logp[rows], old[rows], adv, mask, clip_low=0.2, clip_high=0.28, agg=agg, num_tokens=denom
+        )
         return adv, loss
 
     everything = torch.arange(B)
@@ -120,7 +144,10 @@ def test_ppo_none_row_leaves_the_loss(agg):
 
 def test_score_none_and_dicts():
     ds = datasets.Dataset.from_dict({"prompt": ["p"], "answer": ["a"]})
-    task = lambda fn: Task("t", ds, ds, fn, 4)  # noqa: E731
+
+    def task(fn):
+        return Task("t", ds, ds, fn, 4)
+
     cols = {"prompt": ["p"] * 3, "answer": ["a"] * 3}
     sc = score(task(lambda c, **_: [None, {"score": 2.0, "pred": "x", "n": 3}, 1]), ["a", "b", "c"], cols)
     assert sc.rewards.tolist() == [0.0, 2.0, 1.0] and sc.rewarded.tolist() == [False, True, True]
@@ -161,8 +188,10 @@ def test_load_reward_errors_name_the_flag(tmp_path):
 def test_math_reward_extracts_and_verifies():
     assert extract_answer("so \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
     assert extract_answer("first 3 then 1,234.5") == "1234.5" and extract_answer("none") is None
-    got = math_reward(["the answer is \\boxed{1/2}", "I get 0.5", "it is 7", "no idea", "\\boxed{3}"],
-                      answer=["0.5", "\\frac{1}{2}", "8", "1", "3.0"])
+    got = math_reward(
+        ["the answer is \\boxed{1/2}", "I get 0.5", "it is 7", "no idea", "\\boxed{3}"],
+        answer=["0.5", "\\frac{1}{2}", "8", "1", "3.0"],
+    )
     assert [g["score"] for g in got] == [1.0, 1.0, 0.0, 0.0, 1.0]
     assert [g["pred"] for g in got] == ["1/2", "0.5", "7", None, "3"]
 
@@ -179,8 +208,9 @@ def _write_forms(tmp_path, rows):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "dev": datasets.Dataset.from_list(rows[:5])}).save_to_disk(
-        str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "dev": datasets.Dataset.from_list(rows[:5])}
+    ).save_to_disk(str(tmp_path / "dd"))
 
 
 def test_every_data_form_loads_with_keys_and_columns(tmp_path):
@@ -193,7 +223,9 @@ def test_every_data_form_loads_with_keys_and_columns(tmp_path):
         assert sorted((r["prompt"], r["answer"], r["difficulty"]) for r in got) == want, name
         assert not set(task.train["prompt"]) & set(task.test["prompt"])
     assert len(get_task(str(tmp_path / "dd"), split="dev", prompt_key="question", answer_key="solution").train) == 4
-    with pytest.raises(ValueError, match=r"--task .*dd: no split 'valid'; it has \['dev', 'train'\]: choose one with --split"):
+    with pytest.raises(
+        ValueError, match=r"--task .*dd: no split 'valid'; it has \['dev', 'train'\]: choose one with --split"
+    ):
         get_task(str(tmp_path / "dd"), split="valid", prompt_key="question", answer_key="solution")
     with pytest.raises(ValueError, match=r"t.csv: row 0 \(line 2\) has no field 'prompt'"):
         get_task(str(tmp_path / "t.csv"))
@@ -211,27 +243,44 @@ def test_eval_task_is_the_whole_held_out_set(tmp_path, capsys):
     rows = addition_rows(20)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[15:] + addition_rows(30)[25:]))
-    task = get_task(str(tmp_path / "train.jsonl"), prompt_key="question", answer_key="solution", eval_task=str(tmp_path / "eval.jsonl"))
+    task = get_task(
+        str(tmp_path / "train.jsonl"),
+        prompt_key="question",
+        answer_key="solution",
+        eval_task=str(tmp_path / "eval.jsonl"),
+    )
     assert len(task.test) == 10 and len(task.train) == 15  # the 5 shared prompts leave train
     assert "dropped 5 train rows whose prompt is in the --eval-task set" in capsys.readouterr().out
     assert not set(task.train["prompt"]) & set(task.test["prompt"])
-    built_in = get_task("addition", prompt_key="question", answer_key="solution", eval_task=str(tmp_path / "eval.jsonl"))
+    built_in = get_task(
+        "addition", prompt_key="question", answer_key="solution", eval_task=str(tmp_path / "eval.jsonl")
+    )
     assert len(built_in.test) == 10 and built_in.test["where"][0].endswith("eval.jsonl: row 0 (line 1)")
 
 
 def test_chat_message_prompts(tmp_path):
     tok = build_tokenizer()
-    msgs = lambda i: [{"role": "system", "content": "add"}, {"role": "user", "content": f"{i:03d}+{i:03d}"}]  # noqa: E731
+
+    def msgs(i):
+        return [{"role": "system", "content": "add"}, {"role": "user", "content": f"{i:03d}+{i:03d}"}]
+
     rows = [{"prompt": msgs(i), "answer": f"{2 * i:04d}"} for i in range(12)]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows + [rows[4]]))  # an exact repeat is dropped
     task = load_task(str(path), test_fraction=0.25)
     assert len(task.train) + len(task.test) == 12
-    keys = lambda ds: {json.dumps(p, sort_keys=True) for p in ds["prompt"]}  # noqa: E731
+
+    def keys(ds):
+        return {json.dumps(p, sort_keys=True) for p in ds["prompt"]}
+
     assert not keys(task.train) & keys(task.test)
     p = task.train[0]["prompt"]
-    assert encode_prompt(tok, p) == tok(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False),
-                                        add_special_tokens=False).input_ids
+    assert (
+        encode_prompt(tok, p)
+        == tok(
+            tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        ).input_ids
+    )
     assert tok.decode(encode_prompt(tok, p)).startswith("<|im_start|>system\nadd<|im_end|>\n<|im_start|>user\n")
     check_lengths(task, tok, context_len=256, max_new_tokens=8)
     sc = score(task, ["0000"] * 2, reward_columns(task.train.select([0, 1])))
@@ -244,7 +293,10 @@ def test_chat_message_prompts(tmp_path):
     with pytest.raises(ValueError, match=r"row 12 \(line 13\) repeats the prompt of row 4 \(line 5\)"):
         load_task(str(path))
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:3] + [{"prompt": [{"role": "user"}], "answer": "1"}]))
-    with pytest.raises(ValueError, match=r"row 3 \(line 4\) field 'prompt' message 0 is \{'role': 'user'\}, expected a dict with string 'role' and 'content'"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 3 \(line 4\) field 'prompt' message 0 is \{'role': 'user'\}, expected a dict with string 'role' and 'content'",
+    ):
         load_task(str(path))
 
 
@@ -254,11 +306,16 @@ def test_chat_message_prompts(tmp_path):
 def test_hub_name_fails_fast_with_a_clear_offline_message(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: refused at once
     t = time.perf_counter()
-    with pytest.raises(ValueError, match=r"--task 'someone/some-data' is not a file or folder here, so it was taken as a "
-                       r"Hugging Face hub dataset, and the hub \(http://127.0.0.1:9\) cannot be reached.*save_to_disk"):
+    with pytest.raises(
+        ValueError,
+        match=r"--task 'someone/some-data' is not a file or folder here, so it was taken as a "
+        r"Hugging Face hub dataset, and the hub \(http://127.0.0.1:9\) cannot be reached.*save_to_disk",
+    ):
         get_task("someone/some-data")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # offline mode: only a cached copy could load
-    with pytest.raises(ValueError, match=r"--eval-task 'someone/other'.*the hub is off \(HF_HUB_OFFLINE\) and it is not cached"):
+    with pytest.raises(
+        ValueError, match=r"--eval-task 'someone/other'.*the hub is off \(HF_HUB_OFFLINE\) and it is not cached"
+    ):
         get_task("addition", eval_task="someone/other")
     assert time.perf_counter() - t < 60
 

@@ -94,10 +94,18 @@ def test_critic_values_equal_a_plain_forward_in_every_layout(tiny_model_dir):
 def test_answer_prefix_is_the_rows_answer():
     task = get_task("addition")
     rows = task.train.select(range(3))
-    ro = Rollout(torch.ones(6, 2, dtype=torch.long), torch.zeros(6, 2), torch.ones(6, 2, dtype=torch.bool), [[1]] * 6, ["stop"] * 6)
+    ro = Rollout(
+        torch.ones(6, 2, dtype=torch.long),
+        torch.zeros(6, 2),
+        torch.ones(6, 2, dtype=torch.bool),
+        [[1]] * 6,
+        ["stop"] * 6,
+    )
     ids = context_ids("answer", TOK, rows, ro, 2)  # row b is task row b // 2
     assert [TOK.decode(i) for i in ids] == [f"Reference answer: {rows[b // 2]['answer']}\n" for b in range(6)]
-    assert ANSWER_CONTEXT.format("x") == "Reference answer: x\n"  # bench/value_fit.py's text (issue 22's offline figures)
+    assert (
+        ANSWER_CONTEXT.format("x") == "Reference answer: x\n"
+    )  # bench/value_fit.py's text (issue 22's offline figures)
 
 
 def test_env_string_reaches_the_critic_only_on_every_row_of_an_episode():
@@ -105,8 +113,16 @@ def test_env_string_reaches_the_critic_only_on_every_row_of_an_episode():
     critic_context() string, then the row's own prompt; the policy's batch holds the same prompts without it."""
     task = guess_task(n_train=100, n_test=10)
     rows = task.train.to_list()[:40]
-    ep = agent.run_episodes(demo_engine(TOK), TOK, SecretGuess, rows, Sampling(max_new_tokens=8, seed=5), max_turns=6,
-                            context_len=256, compact_at=90)
+    ep = agent.run_episodes(
+        demo_engine(TOK),
+        TOK,
+        SecretGuess,
+        rows,
+        Sampling(max_new_tokens=8, seed=5),
+        max_turns=6,
+        context_len=256,
+        compact_at=90,
+    )
     assert ep.critic_context == [f"secret {r['answer']}\n" for r in rows]
     assert len(ep.episode) > len(rows)  # some episodes span several rows
     ro = ep.rollout
@@ -118,8 +134,12 @@ def test_env_string_reaches_the_critic_only_on_every_row_of_an_episode():
         real = ctb.input_ids[b][ctb.attention_mask[b].bool()].tolist()
         assert real == prefix + ro.prompt_ids[b] + ro.tokens[b][ro.attend[b]].tolist()
         assert "secret" not in TOK.decode(tb.input_ids[b][tb.attention_mask[b].bool()])
-    assert torch.equal(ctb.input_ids[:, ctb.response_start :], tb.input_ids[:, tb.response_start :])  # the same response block
-    plain = agent.run_episodes(demo_engine(TOK), TOK, GuessEnv, rows[:2], Sampling(max_new_tokens=8, seed=5), max_turns=6, context_len=256)
+    assert torch.equal(
+        ctb.input_ids[:, ctb.response_start :], tb.input_ids[:, tb.response_start :]
+    )  # the same response block
+    plain = agent.run_episodes(
+        demo_engine(TOK), TOK, GuessEnv, rows[:2], Sampling(max_new_tokens=8, seed=5), max_turns=6, context_len=256
+    )
     assert plain.critic_context == [None, None]
     with pytest.raises(ValueError, match="critic_context"):
         context_ids("env", TOK, rows[:2], plain, 1)
@@ -171,7 +191,10 @@ def test_answer_run_leaves_the_policy_untouched(tmp_path, monkeypatch):
         old = recompute(run, models, batch, m)
         prefixes = [[]] * len(batch.tokens)  # policy: no prefix
         if run.cfg.critic_context == "answer":
-            prefixes = [TOK(ANSWER_CONTEXT.format(rows[b // 2]), add_special_tokens=False).input_ids for b in range(len(batch.tokens))]
+            prefixes = [
+                TOK(ANSWER_CONTEXT.format(rows[b // 2]), add_special_tokens=False).input_ids
+                for b in range(len(batch.tokens))
+            ]
         want = _plain_values(models.critic, batch.ro, prefixes)
         torch.testing.assert_close(old.values[batch.ro.mask], want[batch.ro.mask], rtol=1e-5, atol=1e-5)
         seen.setdefault(run.cfg.critic_context, []).append((batch, old, want[batch.ro.mask].std().item()))
@@ -183,7 +206,7 @@ def test_answer_run_leaves_the_policy_untouched(tmp_path, monkeypatch):
     train_ppo.main(small(tmp_path / "policy", steps=1, **base))
     hist = train_ppo.main(small(tmp_path / "answer", steps=2, critic_context="answer", **base))
     assert hist[-1]["step"] == 2 and hist[-1]["train/skipped_update"] == 0
-    (pb, pold, _), = seen["policy"]
+    ((pb, pold, _),) = seen["policy"]
     ab, aold, _ = seen["answer"][0]
     assert pb.ctb is pb.tb  # policy: the critic's batch is the policy's, nothing added
     assert pb.tb.group == 2 and ab.ctb.group == 2 and ab.ctb is not ab.tb
@@ -191,7 +214,9 @@ def test_answer_run_leaves_the_policy_untouched(tmp_path, monkeypatch):
         assert torch.equal(x, y) if torch.is_tensor(x) else x == y
     assert torch.equal(pold.logp, aold.logp) and torch.equal(pb.tokens, ab.tokens) and torch.equal(pb.mask, ab.mask)
     assert ab.ctb.response_start > ab.tb.response_start
-    assert "Reference answer: " in TOK.decode(ab.ctb.input_ids[0]) and "Reference answer" not in TOK.decode(ab.tb.input_ids[0])
+    assert "Reference answer: " in TOK.decode(ab.ctb.input_ids[0]) and "Reference answer" not in TOK.decode(
+        ab.tb.input_ids[0]
+    )
     assert seen["answer"][1][2] > 0  # after one critic update the values vary: the plain-forward check had teeth
 
 
@@ -211,13 +236,27 @@ def test_env_run_shows_each_episode_its_string(tmp_path, monkeypatch, tiny_model
             real = batch.ctb.input_ids[b][batch.ctb.attention_mask[b].bool()].tolist()
             assert real == prefixes[b] + ro.prompt_ids[b] + ro.tokens[b][ro.attend[b]].tolist()
         assert "tag" not in TOK.decode(batch.tb.input_ids.flatten())
-        torch.testing.assert_close(old.values[ro.mask], _plain_values(models.critic, ro, prefixes)[ro.mask], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            old.values[ro.mask], _plain_values(models.critic, ro, prefixes)[ro.mask], rtol=1e-5, atol=1e-5
+        )
         seen.append(batch)
         return old
 
     monkeypatch.setattr(train_ppo, "recompute", spy)
     env = f"{os.path.abspath(__file__)}:TaggedGuess"
-    hist = train_ppo.main(small(tmp_path, model=tiny_model_dir, task="guess", env=env, critic_context="env", steps=1, n_samples=2,
-                                rollout_batch=8, eval_size=2, max_turns=2))
+    hist = train_ppo.main(
+        small(
+            tmp_path,
+            model=tiny_model_dir,
+            task="guess",
+            env=env,
+            critic_context="env",
+            steps=1,
+            n_samples=2,
+            rollout_batch=8,
+            eval_size=2,
+            max_turns=2,
+        )
+    )
     assert hist[-1]["step"] == 1 and len(seen) == 1
     assert seen[0].tb.group == 2 and seen[0].ctb.group == 1

@@ -14,9 +14,18 @@ import transformers
 from conftest import CACHE, require_extras
 from data.rewards import exact_match_reward, reward_columns, score
 from data.tasks import Task, addition_task, check_lengths, encode_prompt, get_task, load_task, sort_task
-from data.tiny import (DEFAULT_WARMUP, EOS_ID, PAD_ID, _sft_batch, build_tiny_model, build_tokenizer, default_model,
-                       greedy_completions, tiny_config, warmup)
-
+from data.tiny import (
+    DEFAULT_WARMUP,
+    EOS_ID,
+    PAD_ID,
+    _sft_batch,
+    build_tiny_model,
+    build_tokenizer,
+    default_model,
+    greedy_completions,
+    tiny_config,
+    warmup,
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +34,7 @@ def tiny_dir(tmp_path_factory):
 
 
 # --- tokenizer and model ---
+
 
 def test_tokenizer_is_byte_level():
     tok = build_tokenizer()
@@ -60,8 +70,10 @@ def test_save_load_roundtrip(tiny_dir):
     ids = torch.randint(0, 259, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
-    assert any((p1 != p2).any() for p1, p2 in zip(model.parameters(), transformers.LlamaForCausalLM(
-        tiny_config(259)).parameters())), "a different seed must give different weights"
+    assert any(
+        (p1 != p2).any()
+        for p1, p2 in zip(model.parameters(), transformers.LlamaForCausalLM(tiny_config(259)).parameters())
+    ), "a different seed must give different weights"
 
 
 def test_greedy_completions_match_generate():
@@ -72,13 +84,16 @@ def test_greedy_completions_match_generate():
     prompts = ["1+1", "042+315", "sort: 07 42 93 11"]
     got = greedy_completions(model, tok, prompts, max_new_tokens=6)
     for prompt, completion in zip(prompts, got):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
         ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
         out = model.generate(ids, max_new_tokens=6, do_sample=False)
-        assert completion == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert completion == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 # --- tasks and rewards ---
+
 
 def test_addition_task():
     task = addition_task(seed=1, n_train=300, n_test=50)
@@ -144,11 +159,14 @@ def test_load_task(tmp_path, ext):
 
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
-@pytest.mark.parametrize("bad, message", [
-    ({"answer": "a"}, "has no field 'prompt'"),
-    ({"prompt": "q", "answer": None}, "field 'answer' is null"),
-    ({"prompt": "  ", "answer": "a"}, "field 'prompt' is empty"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"answer": "a"}, "has no field 'prompt'"),
+        ({"prompt": "q", "answer": None}, "field 'answer' is null"),
+        ({"prompt": "  ", "answer": "a"}, "field 'prompt' is empty"),
+    ],
+)
 def test_load_task_malformed_row(tmp_path, ext, bad, message):
     rows = [{"prompt": "q0", "answer": "a0"}, {"prompt": "q1", "answer": "a1"}, bad]
     path = _write(tmp_path / f"bad.{ext}", rows)
@@ -179,7 +197,10 @@ def test_load_task_bad_inputs(tmp_path):
         load_task(str(tmp_path / "x.txt"))
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_task(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ValueError, match=r"unknown task 'subtraction': choose one of \['addition', 'calc', 'guess', 'sort', 'walk'\], rg:<name>"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown task 'subtraction': choose one of \['addition', 'calc', 'guess', 'sort', 'walk'\], rg:<name>",
+    ):
         get_task("subtraction")
 
 
@@ -209,11 +230,18 @@ def test_load_task_drops_duplicate_prompts(tmp_path, ext, capsys):
     assert not set(task.train["prompt"]) & set(task.test["prompt"])
     assert task.test.to_list() == load_task(path, test_fraction=0.25, seed=0).test.to_list()
     wheres = list(task.train["where"]) + list(task.test["where"])  # the first 20 rows: the repeats were dropped
-    assert sorted(wheres) == sorted(f"{path}: row {i}" + (f" (line {i + 1})" if ext == "jsonl" else "") for i in range(20))
+    assert sorted(wheres) == sorted(
+        f"{path}: row {i}" + (f" (line {i + 1})" if ext == "jsonl" else "") for i in range(20)
+    )
 
     conflict = ROWS + [{**ROWS[3], "answer": "other"}]
-    with pytest.raises(ValueError, match=("row 20 \\(line 21\\)" if ext == "jsonl" else "row 20") + " repeats the prompt of row 3"
-                       + (" \\(line 4\\)" if ext == "jsonl" else "") + " \\('q3'\\) with a different answer \\('other', not 'a3'\\)"):
+    with pytest.raises(
+        ValueError,
+        match=("row 20 \\(line 21\\)" if ext == "jsonl" else "row 20")
+        + " repeats the prompt of row 3"
+        + (" \\(line 4\\)" if ext == "jsonl" else "")
+        + " \\('q3'\\) with a different answer \\('other', not 'a3'\\)",
+    ):
         load_task(_write(tmp_path / f"conflict.{ext}", conflict))
 
 
@@ -228,7 +256,9 @@ def test_check_lengths_names_file_row(tmp_path):
     with pytest.raises(ValueError) as err:
         check_lengths(task, tok, context_len=n + 7, max_new_tokens=8)
     message = str(err.value)
-    assert re.search(f"{re.escape(path)}: row (7 \\(line 8\\)|9 \\(line 10\\)): the prompt is {n} tokens", message), message
+    assert re.search(f"{re.escape(path)}: row (7 \\(line 8\\)|9 \\(line 10\\)): the prompt is {n} tokens", message), (
+        message
+    )
     assert f"max_new_tokens 8 = {n + 8}, over the context length {n + 7}" in message
     assert "lower --max-new-tokens" in message and "2 of 12 rows are too long" in message
 
@@ -237,7 +267,9 @@ def test_check_lengths_builtin_task():
     tok = build_tokenizer()
     check_lengths(addition_task(), tok, context_len=256, max_new_tokens=8)  # 20000 + 3000 rows
     n = len(encode_prompt(tok, "042+315"))
-    with pytest.raises(ValueError, match=f"addition: train row 0: the prompt is {n} tokens .* 55 of 55 rows are too long"):
+    with pytest.raises(
+        ValueError, match=f"addition: train row 0: the prompt is {n} tokens .* 55 of 55 rows are too long"
+    ):
         check_lengths(addition_task(n_train=50, n_test=5), tok, context_len=n + 7, max_new_tokens=8)
 
 
@@ -247,14 +279,20 @@ def test_score_refuses_float32_overflow():
     def task(rewards):
         return Task("t", ds, ds, lambda completions, **columns: rewards, 4)
 
-    cols = lambda n: {"prompt": ["p"] * n, "answer": ["a"] * n}  # noqa: E731
+    def cols(n):
+        return {"prompt": ["p"] * n, "answer": ["a"] * n}
+
     with pytest.raises(RuntimeError, match=r"returned 1e\+39 for sample 1 \(completion 'b'\), which is inf in float32"):
         score(task([0.0, 1e39]), ["a", "b"], cols(2))
     with pytest.raises(RuntimeError, match="which is inf in float32"):  # an int too large for math.isfinite
         score(task([10**400]), ["a"], cols(1))
-    with pytest.raises(RuntimeError, match=r"returned -inf for sample 0 \(completion 'a'\); rewards must be finite numbers"):
+    with pytest.raises(
+        RuntimeError, match=r"returned -inf for sample 0 \(completion 'a'\); rewards must be finite numbers"
+    ):
         score(task([float("-inf")]), ["a"], cols(1))
-    with pytest.raises(RuntimeError, match=r"returned inf for sample 0 .* rewards must be finite"):  # also inside a dict
+    with pytest.raises(
+        RuntimeError, match=r"returned inf for sample 0 .* rewards must be finite"
+    ):  # also inside a dict
         score(task([{"score": float("inf")}]), ["a"], cols(1))
     rewards = score(task([-3e38, 2**100]), ["a", "b"], cols(2)).rewards  # finite in float32: they pass
     assert torch.isfinite(rewards).all() and rewards.tolist() == torch.tensor([-3e38, 2.0**100]).tolist()
@@ -262,10 +300,13 @@ def test_score_refuses_float32_overflow():
 
 # --- warm-up ---
 
+
 def test_sft_batch_masks_response_tokens_only():
     tok = build_tokenizer()
     F, T = False, True
-    ids, loss_mask = _sft_batch(tok, [([1, 2, 3, 4, 5], [F, F, F, T, T]), ([1, 2, 6], [F, F, T]), ([1, 7, 8, 9], [F, T, F, T])])
+    ids, loss_mask = _sft_batch(
+        tok, [([1, 2, 3, 4, 5], [F, F, F, T, T]), ([1, 2, 6], [F, F, T]), ([1, 7, 8, 9], [F, T, F, T])]
+    )
     assert ids.tolist() == [[1, 2, 3, 4, 5], [1, 2, 6, PAD_ID, PAD_ID], [1, 7, 8, 9, PAD_ID]]
     # logits at position t predict token t + 1: row 0 predicts 4, 5 from positions 2, 3; row 1 predicts 6 from 1;
     # row 2 (a multi-turn demonstration) predicts its model tokens 7 and 9, not the observation token 8
@@ -280,7 +321,9 @@ def test_warmup_stops_at_target_and_is_deterministic(tiny_dir, tmp_path):
     c = warmup(tiny_dir, str(tmp_path / "c"), task, target_acc=1.0, max_steps=3, eval_every=2, n_eval=16, batch_size=8)
     assert b["steps"] == 3 and [h["step"] for h in b["history"]] == [0, 2, 3]  # the cap ends with an evaluation
     assert b["history"] == c["history"]
-    mb, mc, m0 = (transformers.AutoModelForCausalLM.from_pretrained(d) for d in (tmp_path / "b", tmp_path / "c", tiny_dir))
+    mb, mc, m0 = (
+        transformers.AutoModelForCausalLM.from_pretrained(d) for d in (tmp_path / "b", tmp_path / "c", tiny_dir)
+    )
     for pb, pc, p0 in zip(mb.parameters(), mc.parameters(), m0.parameters()):
         torch.testing.assert_close(pb, pc, rtol=0, atol=0)
     assert any((pb != p0).any() for pb, p0 in zip(mb.parameters(), m0.parameters()))
@@ -306,8 +349,12 @@ def test_default_model_builds_with_fixed_threads(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     built = json.load(open(os.path.join(path, "warmup.json")))["built_with"]
-    assert built == {"threads": tiny.BUILD_THREADS, "torch": torch.__version__, "transformers": transformers.__version__,
-                     "cpu": tiny.cpu_name()}
+    assert built == {
+        "threads": tiny.BUILD_THREADS,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": tiny.cpu_name(),
+    }
 
 
 @pytest.mark.e2e  # the warm-up run that builds each task's default model (when .cache lacks it)
@@ -315,14 +362,21 @@ def test_default_model_builds_with_fixed_threads(tmp_path, monkeypatch):
 def test_default_model_reaches_target(task):
     """Builds each task's default model once (1-3 minutes, cached in .cache/) and re-checks its accuracy."""
     cache = CACHE
-    building = lambda: {d for d in os.listdir(cache) if d.startswith(".building-")} if os.path.isdir(cache) else set()  # noqa: E731
-    before = building()  # a build killed earlier (kill -9 cannot clean up) leaves its folder; this build must leave none
+
+    def building():
+        return {d for d in os.listdir(cache) if d.startswith(".building-")} if os.path.isdir(cache) else set()
+
+    before = (
+        building()
+    )  # a build killed earlier (kill -9 cannot clean up) leaves its folder; this build must leave none
     path = default_model(cache_dir=cache, task=task)
     assert default_model(cache_dir=cache, task=task) == path  # cached: same folder, no rebuild
     assert f"tiny-{task}-" in path and building() <= before
     stats = json.load(open(os.path.join(path, "warmup.json")))
     target = DEFAULT_WARMUP[task]
-    assert stats["accuracy"] >= target["target_acc"] and stats["steps"] < target["max_steps"]  # stopped at the target, not the cap
+    assert (
+        stats["accuracy"] >= target["target_acc"] and stats["steps"] < target["max_steps"]
+    )  # stopped at the target, not the cap
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     t = get_task(task)
@@ -338,16 +392,19 @@ _lines = "".join(json.dumps(r) + "\n" for r in CHAT_ROWS)
 _csv = "prompt,answer\r\n" + "".join(f"{r['prompt']},{r['answer']}\r\n" for r in CHAT_ROWS)
 
 
-@pytest.mark.parametrize("name, data", [
-    ("bom.jsonl", "\ufeff" + _lines),  # Notepad, PowerShell
-    ("crlf.jsonl", _lines.replace("\n", "\r\n")),
-    ("trailing.jsonl", _lines + "\n\n"),
-    ("array.json", json.dumps(CHAT_ROWS)),
-    ("bom_array.json", "\ufeff" + json.dumps(CHAT_ROWS)),
-    ("lines.json", _lines),  # JSON lines under a .json name
-    ("excel.csv", "\ufeff" + _csv),  # Excel's "CSV UTF-8": a byte-order mark and CRLF
-    ("extra.parquet", [{**r, "n": i, "meta": {"k": i}} for i, r in enumerate(CHAT_ROWS)]),
-])
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("bom.jsonl", "\ufeff" + _lines),  # Notepad, PowerShell
+        ("crlf.jsonl", _lines.replace("\n", "\r\n")),
+        ("trailing.jsonl", _lines + "\n\n"),
+        ("array.json", json.dumps(CHAT_ROWS)),
+        ("bom_array.json", "\ufeff" + json.dumps(CHAT_ROWS)),
+        ("lines.json", _lines),  # JSON lines under a .json name
+        ("excel.csv", "\ufeff" + _csv),  # Excel's "CSV UTF-8": a byte-order mark and CRLF
+        ("extra.parquet", [{**r, "n": i, "meta": {"k": i}} for i, r in enumerate(CHAT_ROWS)]),
+    ],
+)
 def test_data_files_as_common_tools_write_them_load(tmp_path, name, data):
     path = tmp_path / name
     if name.endswith(".parquet"):
@@ -363,23 +420,61 @@ def _msgs(*roles):
     return [{"role": r, "content": f"{r} text"} for r in roles]
 
 
-@pytest.mark.parametrize("name, data, kw, message", [
-    ("role.jsonl", {"prompt": _msgs("user", "bot"), "answer": "1"}, {},
-     r"row 2 \(line 3\) field 'prompt' message 1 has role 'bot'; a message's role is one of system, user, assistant, tool"),
-    ("caps.jsonl", {"prompt": _msgs("User"), "answer": "1"}, {}, "message 0 has role 'User'"),
-    ("no_user.jsonl", {"prompt": _msgs("system", "assistant"), "answer": "1"}, {},
-     r"row 2 \(line 3\) field 'prompt' has no user message \(roles: system, assistant\)"),
-    ("answered.jsonl", {"prompt": _msgs("system", "user", "assistant"), "answer": "1"}, {},
-     r"row 2 \(line 3\) field 'prompt' ends on message 2 of role 'assistant'; the last message must be a user"),
-    ("number.jsonl", {"prompt": "q9", "answer": 9}, {}, r"field 'answer' has type int, expected a string: write 9 as \"9\""),
-    ("key.jsonl", {"prompt": "q9", "answer": "9"}, {"prompt_key": "question"},
-     r"row 0 \(line 1\) has no field 'question' \(--prompt-key; the row has \['answer', 'prompt'\]\)"),
-    ("comma.csv", "q9, with a comma,9\n", {}, r"row 2 \(line 4\) has 3 field\(s\) where the header has 2 \(prompt, answer\); quote"),
-    ("short.csv", "q9\n", {}, r"row 2 \(line 4\) has 1 field\(s\) where the header has 2"),
-    ("semicolon.csv", None, {}, r"its header is one column, 'prompt;answer': the file must be comma-separated, not ';'"),
-    ("columns.json", {"prompt": {"0": "q0", "1": "q1"}, "answer": {"0": "0", "1": "1"}}, {},  # pandas' to_json() default
-     r"holds one JSON object of columns \(prompt, answer\), as pandas' DataFrame.to_json\(\) .* orient='records'"),
-])
+@pytest.mark.parametrize(
+    "name, data, kw, message",
+    [
+        (
+            "role.jsonl",
+            {"prompt": _msgs("user", "bot"), "answer": "1"},
+            {},
+            r"row 2 \(line 3\) field 'prompt' message 1 has role 'bot'; a message's role is one of system, user, assistant, tool",
+        ),
+        ("caps.jsonl", {"prompt": _msgs("User"), "answer": "1"}, {}, "message 0 has role 'User'"),
+        (
+            "no_user.jsonl",
+            {"prompt": _msgs("system", "assistant"), "answer": "1"},
+            {},
+            r"row 2 \(line 3\) field 'prompt' has no user message \(roles: system, assistant\)",
+        ),
+        (
+            "answered.jsonl",
+            {"prompt": _msgs("system", "user", "assistant"), "answer": "1"},
+            {},
+            r"row 2 \(line 3\) field 'prompt' ends on message 2 of role 'assistant'; the last message must be a user",
+        ),
+        (
+            "number.jsonl",
+            {"prompt": "q9", "answer": 9},
+            {},
+            r"field 'answer' has type int, expected a string: write 9 as \"9\"",
+        ),
+        (
+            "key.jsonl",
+            {"prompt": "q9", "answer": "9"},
+            {"prompt_key": "question"},
+            r"row 0 \(line 1\) has no field 'question' \(--prompt-key; the row has \['answer', 'prompt'\]\)",
+        ),
+        (
+            "comma.csv",
+            "q9, with a comma,9\n",
+            {},
+            r"row 2 \(line 4\) has 3 field\(s\) where the header has 2 \(prompt, answer\); quote",
+        ),
+        ("short.csv", "q9\n", {}, r"row 2 \(line 4\) has 1 field\(s\) where the header has 2"),
+        (
+            "semicolon.csv",
+            None,
+            {},
+            r"its header is one column, 'prompt;answer': the file must be comma-separated, not ';'",
+        ),
+        (
+            "columns.json",
+            {"prompt": {"0": "q0", "1": "q1"}, "answer": {"0": "0", "1": "1"}},
+            {},  # pandas' to_json() default
+            r"holds one JSON object of columns \(prompt, answer\), as pandas' DataFrame.to_json\(\) .* orient='records'",
+        ),
+    ],
+)
 def test_bad_rows_are_refused_naming_file_row_and_field(tmp_path, name, data, kw, message):
     """Each file holds a bad row (after two good ones) or a bad shape; the ValueError names the file, the row and the
     field or flag."""
@@ -399,20 +494,28 @@ def test_bad_rows_are_refused_naming_file_row_and_field(tmp_path, name, data, kw
 
 def test_tool_results_and_system_prompts_are_prompts(tmp_path):
     path = tmp_path / "tool.jsonl"
-    rows = [{"prompt": _msgs("system", "user", "assistant", "tool"), "answer": "1"}, {"prompt": _msgs("user"), "answer": "2"}]
+    rows = [
+        {"prompt": _msgs("system", "user", "assistant", "tool"), "answer": "1"},
+        {"prompt": _msgs("user"), "answer": "2"},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert len(get_task(str(path)).train) == 1
 
 
 def test_a_chat_template_that_fails_is_named_with_the_row_and_folder(tmp_path, tiny_dir):
     tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-                         "{% endif %}{{ m['content'] }}{% endfor %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
     path = tmp_path / "sys.jsonl"
     rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(3)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"prompt": _msgs("system", "user"), "answer": "9"}]))
-    with pytest.raises(ValueError, match=rf"sys.jsonl: row 3 \(line 4\): the chat template of {re.escape(tiny_dir)} fails on this "
-                                         r"prompt \(roles: system, user\): TemplateError: System role not supported"):
+    with pytest.raises(
+        ValueError,
+        match=rf"sys.jsonl: row 3 \(line 4\): the chat template of {re.escape(tiny_dir)} fails on this "
+        r"prompt \(roles: system, user\): TemplateError: System role not supported",
+    ):
         check_lengths(get_task(str(path)), tok, context_len=256, max_new_tokens=8)
 
 
@@ -420,8 +523,11 @@ def test_compact_at_below_the_longest_prompt_and_a_turn_is_refused(tiny_dir):
     from config import Config, check_model
 
     task = get_task("guess")  # the longest prompt is 30 tokens chat-formatted, a turn at most 8
-    with pytest.raises(ValueError, match=r"--compact-at 45 is below the longest prompt \(guess: \w+ row \d+: 30 tokens\) \+ a "
-                                         r"summary and a turn \(2 x --max-new-tokens 8\) = 46"):
+    with pytest.raises(
+        ValueError,
+        match=r"--compact-at 45 is below the longest prompt \(guess: \w+ row \d+: 30 tokens\) \+ a "
+        r"summary and a turn \(2 x --max-new-tokens 8\) = 46",
+    ):
         check_model(Config(task="guess", compact_at=45), tiny_dir, task)
     check_lengths(task, transformers.AutoTokenizer.from_pretrained(tiny_dir), 256, 8, compact_at=46)
 
@@ -451,14 +557,25 @@ def _damaged_copy(src, dst, *, drop=(), add=None, reshape=None, config=None, rem
     return str(dst)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (dict(config='{"model_type": "llama", "hidden'), r"its config.json cannot be read as a model config \(OSError"),
-    (dict(config="{}"), r"its config.json cannot be read as a model config \(ValueError: Unrecognized model"),
-    (dict(write={"tokenizer.json": "{"}), r"its tokenizer cannot be loaded \(JSONDecodeError"),
-    (dict(remove=["model.safetensors"]), r"has no weights \(no \*.safetensors or \*.bin file\)"),
-    (dict(write={"model.safetensors.index.json": json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})}),
-     r".*model.safetensors.index.json names 1 shard\(s\) the folder lacks: model-00002-of-00002.safetensors"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (dict(config='{"model_type": "llama", "hidden'), r"its config.json cannot be read as a model config \(OSError"),
+        (dict(config="{}"), r"its config.json cannot be read as a model config \(ValueError: Unrecognized model"),
+        (dict(write={"tokenizer.json": "{"}), r"its tokenizer cannot be loaded \(JSONDecodeError"),
+        (dict(remove=["model.safetensors"]), r"has no weights \(no \*.safetensors or \*.bin file\)"),
+        (
+            dict(
+                write={
+                    "model.safetensors.index.json": json.dumps(
+                        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+                    )
+                }
+            ),
+            r".*model.safetensors.index.json names 1 shard\(s\) the folder lacks: model-00002-of-00002.safetensors",
+        ),
+    ],
+)
 def test_damaged_model_folders_are_refused_before_any_model_loads(tmp_path, tiny_dir, damage, message):
     from config import Config, check_model
 
@@ -479,11 +596,23 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, tiny_dir):
     assert check_model(Config(model=path), path, addition_task(n_train=10, n_test=2)).pad_token_id == EOS_ID
 
 
-@pytest.mark.parametrize("damage, message", [
-    (dict(drop=["model.layers.1.mlp.down_proj.weight"]), "lacks 1 tensor(s) that {} needs: model.layers.1.mlp.down_proj.weight"),
-    (dict(add={"model.layers.9.mlp.up_proj.weight": torch.zeros(2)}), "has 1 tensor(s) that {} does not use: model.layers.9.mlp.up_proj.weight"),
-    (dict(reshape={"model.norm.weight": (7,)}), "has 1 tensor(s) of another shape than the model's: model.norm.weight ((7,) in the files, (128,) in the model)"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            dict(drop=["model.layers.1.mlp.down_proj.weight"]),
+            "lacks 1 tensor(s) that {} needs: model.layers.1.mlp.down_proj.weight",
+        ),
+        (
+            dict(add={"model.layers.9.mlp.up_proj.weight": torch.zeros(2)}),
+            "has 1 tensor(s) that {} does not use: model.layers.9.mlp.up_proj.weight",
+        ),
+        (
+            dict(reshape={"model.norm.weight": (7,)}),
+            "has 1 tensor(s) of another shape than the model's: model.norm.weight ((7,) in the files, (128,) in the model)",
+        ),
+    ],
+)
 def test_weights_that_do_not_fill_the_architecture_are_refused_by_name(tmp_path, tiny_dir, damage, message):
     """Every place that loads a model folder: the policy and reference (load_policy), the critic's backbone
     (build_critic) and the embedded engine; transformers alone would fill a missing tensor with random values."""
@@ -491,14 +620,26 @@ def test_weights_that_do_not_fill_the_architecture_are_refused_by_name(tmp_path,
     from value_model import build_critic, load_critic, load_policy
 
     path = _damaged_copy(tiny_dir, tmp_path / "m", **damage)
-    for load, cls in ((load_policy, "LlamaForCausalLM"), (build_critic, "LlamaForTokenClassification"), (EmbeddedEngine, "LlamaForCausalLM")):
-        with pytest.raises(ValueError, match=re.escape(f"the weights in {path} (model.safetensors) do not match its config.json: "
-                                                       f"the folder {message.format(cls)}")):
+    for load, cls in (
+        (load_policy, "LlamaForCausalLM"),
+        (build_critic, "LlamaForTokenClassification"),
+        (EmbeddedEngine, "LlamaForCausalLM"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"the weights in {path} (model.safetensors) do not match its config.json: "
+                f"the folder {message.format(cls)}"
+            ),
+        ):
             load(path)
     critic = build_critic(tiny_dir)  # the policy's files have no value head: that one is new
     critic.save_pretrained(tmp_path / "critic")
     _damaged_copy(tmp_path / "critic", tmp_path / "critic_broken", drop=["score.weight"])
-    with pytest.raises(ValueError, match=r"the critic checkpoint: .* lacks 1 tensor\(s\) that LlamaForTokenClassification needs: score.weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"the critic checkpoint: .* lacks 1 tensor\(s\) that LlamaForTokenClassification needs: score.weight",
+    ):
         load_critic(str(tmp_path / "critic_broken"))
     load_critic(str(tmp_path / "critic"))
 
@@ -507,24 +648,38 @@ SYSTEM_REFUSED = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case, message", [
-    ("missing_tensor", r"--model: the weights in .*/m \(model.safetensors\) do not match its config.json: the folder lacks 1 "
-                       r"tensor\(s\) that LlamaForCausalLM needs: model.layers.2.self_attn.o_proj.weight"),
-    ("truncated_config", r"--model .*/m: its config.json cannot be read as a model config"),
-    ("answered_prompt", r"d.jsonl: row 2 \(line 3\) field 'prompt' ends on message 1 of role 'assistant'"),
-    ("template_fails", r"d.jsonl: row \d \(line \d\): the chat template of .*/m fails on this prompt \(roles: system, user\)"),
-    ("compact_at", r"--compact-at 40 is below the longest prompt \(guess: \w+ row \d+: 30 tokens\)"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            "missing_tensor",
+            r"--model: the weights in .*/m \(model.safetensors\) do not match its config.json: the folder lacks 1 "
+            r"tensor\(s\) that LlamaForCausalLM needs: model.layers.2.self_attn.o_proj.weight",
+        ),
+        ("truncated_config", r"--model .*/m: its config.json cannot be read as a model config"),
+        ("answered_prompt", r"d.jsonl: row 2 \(line 3\) field 'prompt' ends on message 1 of role 'assistant'"),
+        (
+            "template_fails",
+            r"d.jsonl: row \d \(line \d\): the chat template of .*/m fails on this prompt \(roles: system, user\)",
+        ),
+        ("compact_at", r"--compact-at 40 is below the longest prompt \(guess: \w+ row \d+: 30 tokens\)"),
+    ],
+)
 def test_hostile_inputs_stop_the_run_before_training(tmp_path, tiny_dir, case, message):
     """main() on each: the error names the file, row, tensor or flag, and nothing is written to the run folder."""
     from conftest import small
     from train_ppo import main
 
-    damage = {"missing_tensor": dict(drop=["model.layers.2.self_attn.o_proj.weight"]), "truncated_config": dict(config='{"model_'),
-              "template_fails": dict(write={"chat_template.jinja": SYSTEM_REFUSED})}.get(case, {})
+    damage = {
+        "missing_tensor": dict(drop=["model.layers.2.self_attn.o_proj.weight"]),
+        "truncated_config": dict(config='{"model_'),
+        "template_fails": dict(write={"chat_template.jinja": SYSTEM_REFUSED}),
+    }.get(case, {})
     model = _damaged_copy(tiny_dir, tmp_path / "m", **damage)
     last = _msgs("system", "user") if case == "template_fails" else _msgs("user", "assistant")
-    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(2)] + [{"prompt": last, "answer": "9"}]
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(2)] + [
+        {"prompt": last, "answer": "9"}
+    ]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     kw = dict(task=str(tmp_path / "d.jsonl")) if case in ("answered_prompt", "template_fails") else {}
     if case == "compact_at":
@@ -542,12 +697,20 @@ def test_reasoning_gym_task():
 
     task = get_task("rg:basic_arithmetic")
     train, test = task.train.to_list(), task.test.to_list()
-    assert len(train) == 10000 and 400 < len(test) <= 500 and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert (
+        len(train) == 10000
+        and 400 < len(test) <= 500
+        and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    )
     ds = reasoning_gym.create_dataset("basic_arithmetic", seed=0, size=10500)
     row = test[3]
     assert ds[row["rg_index"]]["question"] == row["prompt"]
     completions = [row["answer"], row["answer"] + "1", " " + row["answer"] + "\n"]
     sc = score(task, completions, reward_columns(task.test.select([3, 3, 3])))
-    assert sc.rewards.tolist() == pytest.approx([ds.score_answer(answer=c, entry=ds[row["rg_index"]]) for c in completions]) and sc.rewards[0] == 1
+    assert (
+        sc.rewards.tolist()
+        == pytest.approx([ds.score_answer(answer=c, entry=ds[row["rg_index"]]) for c in completions])
+        and sc.rewards[0] == 1
+    )
     with pytest.raises(ValueError, match="reasoning-gym has no dataset 'no_such_task'"):
         get_task("rg:no_such_task")

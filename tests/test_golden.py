@@ -33,8 +33,16 @@ from train_ppo import Config, main  # noqa: E402
 pytestmark = pytest.mark.e2e
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden.json")
 # Per-step figures the guard pins: the policy's and critic's grad norms, the value loss, the reward, the mismatch.
-KEYS = ("ppo/grad_norm", "critic/grad_norm", "critic/value_loss", "rollout/reward_mean", "mismatch/k3", "mismatch/masked_frac", "eval/greedy_acc",
-        "eval/sampled_acc")
+KEYS = (
+    "ppo/grad_norm",
+    "critic/grad_norm",
+    "critic/value_loss",
+    "rollout/reward_mean",
+    "mismatch/k3",
+    "mismatch/masked_frac",
+    "eval/greedy_acc",
+    "eval/sampled_acc",
+)
 RUNS = {
     # PPO + IcePop against a bf16 engine (real mismatch; a band narrow enough to mask some tokens), micro-batches and
     # two minibatches, critic pretraining (a 2-step cap), the "before RL" evaluation and one at the last step.
@@ -52,9 +60,20 @@ def odd_bytes(completions: list[str], **columns) -> list[float]:
 def golden_run(name: str, out_dir: str) -> dict:
     """Run RUNS[name] for 3 steps; returns {"rows": the pinned keys per logged row, "policy_sha256": of the final weights}."""
     model = build_tiny_model(os.path.join(out_dir, "model"), seed=3)
-    cfg = Config(model=model, reward=f"{os.path.abspath(__file__)}:odd_bytes", out_dir=os.path.join(out_dir, "run"), steps=3,
-                 seed=3, deterministic=True, rollout_batch=16, eval_every=3, eval_size=32, save_every=100, train_dtype="fp32",
-                 **RUNS[name])
+    cfg = Config(
+        model=model,
+        reward=f"{os.path.abspath(__file__)}:odd_bytes",
+        out_dir=os.path.join(out_dir, "run"),
+        steps=3,
+        seed=3,
+        deterministic=True,
+        rollout_batch=16,
+        eval_every=3,
+        eval_size=32,
+        save_every=100,
+        train_dtype="fp32",
+        **RUNS[name],
+    )
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
     try:
@@ -63,8 +82,14 @@ def golden_run(name: str, out_dir: str) -> dict:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
     # Every logged metric is a float32 figure; the evaluation's are pinned at that precision too (rounding is exact).
-    rows = [{k: r[k] if k in ("step", "pretrain/step") else float(torch.tensor(r[k], dtype=torch.float32))
-             for k in ("step", "pretrain/step", *KEYS) if k in r} for r in history]
+    rows = [
+        {
+            k: r[k] if k in ("step", "pretrain/step") else float(torch.tensor(r[k], dtype=torch.float32))
+            for k in ("step", "pretrain/step", *KEYS)
+            if k in r
+        }
+        for r in history
+    ]
     weights = load_file(os.path.join(cfg.out_dir, "checkpoints", "step_000003", "policy", "model.safetensors"))
     digest = hashlib.sha256()
     for key in sorted(weights):
@@ -86,9 +111,11 @@ def test_golden_run_is_reproduced_bit_for_bit(name, tmp_path):
     if cpu_key() in records:
         want = records[cpu_key()][name]
     else:
-        warnings.warn(f"tests/golden.json has no record for this CPU ({cpu_key()}; recorded: {sorted(records)}): "
-                      "checked only that the run reproduces itself. Record one with `OMP_NUM_THREADS=1 .venv/bin/python "
-                      "tests/test_golden.py --record` on the commit before a change to guard it.")
+        warnings.warn(
+            f"tests/golden.json has no record for this CPU ({cpu_key()}; recorded: {sorted(records)}): "
+            "checked only that the run reproduces itself. Record one with `OMP_NUM_THREADS=1 .venv/bin/python "
+            "tests/test_golden.py --record` on the commit before a change to guard it."
+        )
         want = golden_run(name, str(tmp_path / "b"))
     assert len(got["rows"]) == len(want["rows"])
     for g, w in zip(got["rows"], want["rows"]):

@@ -74,8 +74,10 @@ def imports(module: str) -> list[tuple[str, str | None]]:
 
 def graph(modules) -> dict[str, set[str]]:
     """module -> the project modules it imports (LAZY_UP left out)."""
-    return {m: {name for name, func in imports(m) if name in modules and name != m and (m, func, name) not in LAZY_UP}
-            for m in modules}
+    return {
+        m: {name for name, func in imports(m) if name in modules and name != m and (m, func, name) not in LAZY_UP}
+        for m in modules
+    }
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -87,7 +89,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for n in sorted(edges.get(m, ())):
             if state.get(n) == "open":
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if n not in state and (cycle := dfs(n)):
                 return cycle
         state[m] = "done"
@@ -148,7 +150,9 @@ def test_cpu_preset_writes_out_every_config_field():
     names = [f.name.replace("_", "-") for f in dataclasses.fields(Config)]
     bools = {f.name.replace("_", "-") for f in dataclasses.fields(Config) if f.type in ("bool", bool)}
     given = [f[3:] if f.startswith("no-") and f[3:] in bools else f for f in flags]
-    assert sorted(given) == sorted(names), f"missing {sorted(set(names) - set(given))}, unknown {sorted(set(given) - set(names))}"
+    assert sorted(given) == sorted(names), (
+        f"missing {sorted(set(names) - set(given))}, unknown {sorted(set(given) - set(names))}"
+    )
     tyro.cli(Config, args=args)  # and every value parses
 
 

@@ -37,9 +37,14 @@ def test_metrics_ratio_is_a_float32_figure_like_the_means():
 
 def test_prompt_indices_cross_epochs_in_seeded_permutations():
     n = 5
-    perm = lambda e: torch.randperm(n, generator=torch.Generator().manual_seed(7 + e)).tolist()  # noqa: E731
+
+    def perm(e):
+        return torch.randperm(n, generator=torch.Generator().manual_seed(7 + e)).tolist()
+
     assert prompt_indices(7, n, 3, 4) == perm(0)[3:] + perm(1)[:2]
-    assert prompt_indices(7, n, -2, 2) == perm(-1)[3:]  # critic pretraining's negative batch indices have their own rows
+    assert (
+        prompt_indices(7, n, -2, 2) == perm(-1)[3:]
+    )  # critic pretraining's negative batch indices have their own rows
     assert sorted(prompt_indices(7, n, 10, 5)) == list(range(n))  # an epoch visits every row once
 
 
@@ -53,8 +58,18 @@ def test_entropy_is_finite_when_micro_batches_hold_no_kept_token(tmp_path):
     """With one rewarded row in 8 and micro-batches of 2, most micro-batches have no kept token: the step's entropy is
     the token-weighted mean over the kept tokens, not a mean of per-micro-batch means with NaNs in it."""
     model = build_tiny_model(str(tmp_path / "model"), seed=1)
-    cfg = Config(model=model, reward=f"{os.path.abspath(__file__)}:some_rewarded", out_dir=str(tmp_path / "run"), steps=1,
-                 rollout_batch=8, micro_batch=2, eval_every=100, eval_size=4, critic_pretrain=0, train_dtype="fp32")
+    cfg = Config(
+        model=model,
+        reward=f"{os.path.abspath(__file__)}:some_rewarded",
+        out_dir=str(tmp_path / "run"),
+        steps=1,
+        rollout_batch=8,
+        micro_batch=2,
+        eval_every=100,
+        eval_size=4,
+        critic_pretrain=0,
+        train_dtype="fp32",
+    )
     row = main(cfg)[-1]
     assert row["rollout/no_reward_frac"] == 7 / 8
     assert math.isfinite(row["ppo/entropy"]) and row["ppo/entropy"] > 0

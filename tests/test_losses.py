@@ -43,13 +43,20 @@ def slow_logprob(logits_row, token, temperature, top_k, top_p):
     return x[token] - mx - math.log(zn)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.8, 0, 0.9), (1.0, 6, 0.7)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.8, 0, 0.9), (1.0, 6, 0.7)]
+)
 def test_token_logprobs_matches_slow(temperature, top_k, top_p):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 5, 11, generator=g) * 2
     tokens = torch.randint(0, 11, (2, 5), generator=g)
     got = L.token_logprobs(logits, tokens, temperature, top_k=top_k, top_p=top_p)
-    want = torch.tensor([[slow_logprob(logits[b, t], tokens[b, t].item(), temperature, top_k, top_p) for t in range(5)] for b in range(2)])
+    want = torch.tensor(
+        [
+            [slow_logprob(logits[b, t], tokens[b, t].item(), temperature, top_k, top_p) for t in range(5)]
+            for b in range(2)
+        ]
+    )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (got == L.EXCLUDED_LOGP).any() == (top_k > 0 or top_p < 1)  # truncation really excluded a sampled token
 
@@ -74,7 +81,11 @@ def test_head_logprobs_equals_full_logits_values_and_gradients(monkeypatch, kw):
     g = torch.Generator().manual_seed(1)
     torch.manual_seed(0)  # the head's init
     head = torch.nn.Linear(6, 23, bias=False)
-    hidden, tokens, w = torch.randn(3, 5, 6, generator=g), torch.randint(0, 23, (3, 5), generator=g), torch.randn(3, 5, generator=g)
+    hidden, tokens, w = (
+        torch.randn(3, 5, 6, generator=g),
+        torch.randint(0, 23, (3, 5), generator=g),
+        torch.randn(3, 5, generator=g),
+    )
     grads = []
     for path in ("full", "head"):
         h = hidden.clone().requires_grad_(True)
@@ -129,7 +140,9 @@ def test_masked_mean_and_whiten_hand():
     torch.testing.assert_close(w, torch.tensor([[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
     # values 1e30, -1e30, 3e30: mean 1e30, unbiased var 4e60 (the squares overflow float32), std 2e30
     x, m = torch.tensor([[1e30, -1e30, 3e30, 0.0]]), torch.tensor([[True, True, True, False]])
-    torch.testing.assert_close(L.whiten(x, m, L.whiten_stats(x, m)), torch.tensor([[0.0, -1.0, 1.0, 0.0]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        L.whiten(x, m, L.whiten_stats(x, m)), torch.tensor([[0.0, -1.0, 1.0, 0.0]]), atol=1e-6, rtol=0
+    )
     # no valid element: mean 0 and variance 0 -> all zeros, not NaN
     assert L.whiten(x, ~torch.ones_like(m), L.whiten_stats(x, ~torch.ones_like(m))).eq(0).all()
 
@@ -188,12 +201,20 @@ def test_vine_advantages_hand():
     T_, F_ = True, False
     mask = torch.tensor([[T_, T_, T_, T_, T_, F_], [T_, T_, F_, F_, T_, T_], [T_, T_, T_, F_, F_, F_]])
     states = torch.tensor([[T_, F_, T_, F_, T_, F_], [T_, F_, F_, F_, T_, F_], [F_, T_, F_, F_, F_, F_]])
-    values = torch.tensor([[0.3, 9.0, 0.6, 9.0, 0.9, 9.0], [1.2, 9.0, 9.0, 9.0, 0.8, 9.0], [9.0, 0.5, 9.0, 9.0, 9.0, 9.0]])
-    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 7.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    values = torch.tensor(
+        [[0.3, 9.0, 0.6, 9.0, 0.9, 9.0], [1.2, 9.0, 9.0, 9.0, 0.8, 9.0], [9.0, 0.5, 9.0, 9.0, 9.0, 9.0]]
+    )
+    rewards = torch.tensor(
+        [[0.0, 0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 7.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]]
+    )
     adv = L.vine_advantages(values, states, rewards, mask)
-    want = torch.tensor([[0.3, 0.3, 0.3, 0.3, 0.1, 0.0],  # 0.6 - 0.3, 0.9 - 0.6, 1 - 0.9
-                         [0.1, 0.1, 0.0, 0.0, 0.2, 0.2],  # turn 1's 0.5 + 0.8 - 1.2 (the observation's 7 ignored), 1 - 0.8
-                         [0.0, 0.5, 0.5, 0.0, 0.0, 0.0]])  # no state before column 1: no baseline, 0
+    want = torch.tensor(
+        [
+            [0.3, 0.3, 0.3, 0.3, 0.1, 0.0],  # 0.6 - 0.3, 0.9 - 0.6, 1 - 0.9
+            [0.1, 0.1, 0.0, 0.0, 0.2, 0.2],  # turn 1's 0.5 + 0.8 - 1.2 (the observation's 7 ignored), 1 - 0.8
+            [0.0, 0.5, 0.5, 0.0, 0.0, 0.0],
+        ]
+    )  # no state before column 1: no baseline, 0
     torch.testing.assert_close(adv, want)
 
 
@@ -201,7 +222,9 @@ def test_vine_advantages_at_every_token_are_td_errors():
     g = torch.Generator().manual_seed(4)
     mask = torch.rand(5, 9, generator=g) > 0.3  # holes = observation tokens
     rewards, values = torch.randn(5, 9, generator=g), torch.randn(5, 9, generator=g)
-    torch.testing.assert_close(L.vine_advantages(values, mask, rewards, mask), L.gae(rewards * mask, values, mask, 1.0, 0.0)[0])
+    torch.testing.assert_close(
+        L.vine_advantages(values, mask, rewards, mask), L.gae(rewards * mask, values, mask, 1.0, 0.0)[0]
+    )
     first = mask & (mask.cumsum(-1) == 1)  # one state at each row's first token: R - V(s_0) on every token
     R = (rewards * mask).sum(-1, keepdim=True)
     v0 = (values * first).sum(-1, keepdim=True)
@@ -271,7 +294,7 @@ def test_icepop_masked_and_padding_tokens_get_exactly_zero_grad():
     w, _ = L.icepop_weights(old, infer, mask)
     loss, _ = L.ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, is_weights=w)
     loss.backward()
-    dropped = (w == 0)
+    dropped = w == 0
     assert torch.all(logp.grad[dropped] == 0)
     assert torch.all(logp.grad[~mask] == 0)
     assert (logp.grad[~dropped] != 0).any()
@@ -306,7 +329,9 @@ def test_mismatch_metrics_hand():
     # 1001 tokens with k = 1, 2, ..., 1001: the 99.9% quantile sits at sorted index 999 (k = 1000), the 0.1% at index 1
     ks = torch.arange(1, 1002, dtype=torch.float64)[None]
     m = L.mismatch_metrics(ks.log(), torch.zeros_like(ks), torch.ones_like(ks, dtype=torch.bool))
-    assert m["mismatch/ratio_p999"].item() == pytest.approx(1000) and m["mismatch/ratio_p001"].item() == pytest.approx(2)
+    assert m["mismatch/ratio_p999"].item() == pytest.approx(1000) and m["mismatch/ratio_p001"].item() == pytest.approx(
+        2
+    )
     assert L.mismatch_metrics(old, infer, torch.zeros_like(mask))["mismatch/ratio_p999"].item() == 1.0
 
 
@@ -321,7 +346,9 @@ def test_effective_sample_size_hand():
     equal = L.mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool))
     assert equal["mismatch/ess"].item() == pytest.approx(1.0) and equal["mismatch/seq_ess"].item() == pytest.approx(1.0)
     # one row's weight e^60 dominates (no overflow in float32: logsumexp): ESS -> 1 / n
-    huge = L.mismatch_metrics(torch.tensor([[20.0, 20.0, 20.0], [0.0, 0.0, 0.0]]), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    huge = L.mismatch_metrics(
+        torch.tensor([[20.0, 20.0, 20.0], [0.0, 0.0, 0.0]]), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    )
     assert huge["mismatch/seq_ess"].item() == pytest.approx(0.5) and math.isfinite(huge["mismatch/ess"].item())
     none = L.mismatch_metrics(old, infer, torch.zeros_like(mask))
     assert none["mismatch/ess"].item() == 1.0 and none["mismatch/seq_ess"].item() == 1.0
@@ -329,7 +356,9 @@ def test_effective_sample_size_hand():
 
 def test_window_slope_hand():
     assert L.window_slope([1.0, 3.0, 5.0]) == pytest.approx(2.0)
-    assert L.window_slope([0.0, 1.0, 0.0, 1.0]) == pytest.approx(0.2)  # sum (x - 1.5)(y - 0.5) / sum (x - 1.5)^2 = 1 / 5
+    assert L.window_slope([0.0, 1.0, 0.0, 1.0]) == pytest.approx(
+        0.2
+    )  # sum (x - 1.5)(y - 0.5) / sum (x - 1.5)^2 = 1 / 5
     assert L.window_slope([4.0, 4.0]) == 0.0
     assert math.isnan(L.window_slope([1.0])) and math.isnan(L.window_slope([1.0, float("nan"), 2.0]))
 
@@ -356,7 +385,9 @@ def test_ppo_policy_loss_matches_slow(dual):
     for b in range(4):
         for t in range(6):
             if mask[b, t]:
-                total += w[b, t].item() * slow_ppo_token(logp[b, t].item(), old[b, t].item(), adv[b, t].item(), 0.2, 0.28, dual)
+                total += w[b, t].item() * slow_ppo_token(
+                    logp[b, t].item(), old[b, t].item(), adv[b, t].item(), 0.2, 0.28, dual
+                )
                 n += 1
     assert loss.item() == pytest.approx(total / n, rel=1e-5)
     assert 0 < m["ppo/clipfrac"].item() < 1
@@ -378,7 +409,9 @@ def test_ppo_clip_and_dual_clip_hand():
     old = torch.zeros(1, 4)
     logp = torch.tensor([[math.log(1.5), math.log(1.5), math.log(0.5), math.log(5.0)]])
     adv = torch.tensor([[1.0, -1.0, -1.0, -1.0]])
-    loss, m = L.ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-sum-norm")
+    loss, m = L.ppo_policy_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-sum-norm"
+    )
     # token losses: A>0,r=1.5 -> -1.28 (clipped); A<0,r=1.5 -> 1.5; A<0,r=0.5 -> 0.8 (clipped); A<0,r=5 -> 3 (dual)
     assert loss.item() == pytest.approx((-1.28 + 1.5 + 0.8 + 3.0) / 4)
     assert m["ppo/clipfrac"].item() == pytest.approx(2 / 4)
@@ -386,19 +419,23 @@ def test_ppo_clip_and_dual_clip_hand():
 
 
 def test_aggregation_modes_hand():
-    l = torch.tensor([[1.0, 3.0, 9.0], [4.0, 9.0, 9.0]])
+    token_losses = torch.tensor([[1.0, 3.0, 9.0], [4.0, 9.0, 9.0]])
     m = torch.tensor([[True, True, False], [True, False, False]])
-    assert L.aggregate(l, m, "token-mean").item() == pytest.approx(8 / 3)
-    assert L.aggregate(l, m, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
-    assert L.aggregate(l, m, "seq-mean-token-sum-norm").item() == pytest.approx(8 / 6)
+    assert L.aggregate(token_losses, m, "token-mean").item() == pytest.approx(8 / 3)
+    assert L.aggregate(token_losses, m, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert L.aggregate(token_losses, m, "seq-mean-token-sum-norm").item() == pytest.approx(8 / 6)
     with pytest.raises(ValueError, match="unknown loss aggregation"):
-        L.aggregate(l, m, "mean")
+        L.aggregate(token_losses, m, "mean")
 
 
 @settings(max_examples=25, deadline=None)
 @given(
-    B=st.integers(2, 6), T=st.integers(1, 6), n_split=st.integers(1, 3), seed=st.integers(0, 10_000),
-    agg=st.sampled_from(L.AGG_MODES), which=st.sampled_from(["ppo", "value", "dis"]),
+    B=st.integers(2, 6),
+    T=st.integers(1, 6),
+    n_split=st.integers(1, 3),
+    seed=st.integers(0, 10_000),
+    agg=st.sampled_from(L.AGG_MODES),
+    which=st.sampled_from(["ppo", "value", "dis"]),
 )
 def test_microbatches_with_global_denominator_equal_full_batch(B, T, n_split, seed, agg, which):
     g = torch.Generator().manual_seed(seed)
@@ -408,7 +445,9 @@ def test_microbatches_with_global_denominator_equal_full_batch(B, T, n_split, se
     def run(sl, denom):
         x = (a[sl] * 0.3).clone().requires_grad_()
         if which == "ppo":
-            loss, _ = L.ppo_policy_loss(x, b[sl] * 0.3, c[sl], mask[sl], clip_low=0.2, clip_high=0.28, agg=agg, num_tokens=denom)
+            loss, _ = L.ppo_policy_loss(
+                x, b[sl] * 0.3, c[sl], mask[sl], clip_low=0.2, clip_high=0.28, agg=agg, num_tokens=denom
+            )
         elif which == "value":
             loss, _ = L.value_loss(x, b[sl], c[sl], mask[sl], clip=0.2, agg=agg, num_tokens=denom)
         else:
@@ -461,12 +500,21 @@ def test_explained_variance():
 
 def test_shape_convention_is_asserted():
     with pytest.raises(AssertionError, match="mask must be bool"):
-        L.ppo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), clip_low=0.2, clip_high=0.2)
+        L.ppo_policy_loss(
+            torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), clip_low=0.2, clip_high=0.2
+        )
     with pytest.raises(AssertionError, match="advantages has shape"):
-        L.ppo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3, dtype=torch.bool), clip_low=0.2, clip_high=0.2)
+        L.ppo_policy_loss(
+            torch.zeros(2, 3),
+            torch.zeros(2, 3),
+            torch.zeros(2, 4),
+            torch.ones(2, 3, dtype=torch.bool),
+            clip_low=0.2,
+            clip_high=0.2,
+        )
 
 
-def test_import_losses_pulls_in_nothing_beyond_torch():
+def test_import_token_lossespulls_in_nothing_beyond_torch():
     code = (
         "import sys, torch; before = set(sys.modules); import losses; "
         "new = sorted(m for m in set(sys.modules) - before if m != 'losses'); print(new); assert not new, new"
@@ -495,7 +543,10 @@ def test_explained_variance_by_position_is_ev_on_each_column_slice():
 def test_rank_without_valid_tokens_adds_nothing_to_the_global_denominator():
     """Summed over dp ranks, a rank whose minibatch has no valid token contributes 0 tokens, not 1: the global
     token-mean loss is the same as if that rank held no rows."""
-    empty, full = torch.zeros(2, 4, dtype=torch.bool), torch.tensor([[True, True, False, False], [True, False, False, False]])
+    empty, full = (
+        torch.zeros(2, 4, dtype=torch.bool),
+        torch.tensor([[True, True, False, False], [True, False, False, False]]),
+    )
     assert L.loss_denominator(empty, "token-mean").item() == 0
     assert (L.loss_denominator(empty, "token-mean") + L.loss_denominator(full, "token-mean")).item() == 3
     loss = torch.ones(2, 4)

@@ -22,7 +22,9 @@ NUDGE = 2e-2  # the trainer's router nudge, relative to its weights' RMS: flips 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return moe.install(transformers.Qwen3MoeForCausalLM(tiny_moe_config(len(build_tokenizer()), num_hidden_layers=2)).eval())
+    return moe.install(
+        transformers.Qwen3MoeForCausalLM(tiny_moe_config(len(build_tokenizer()), num_hidden_layers=2)).eval()
+    )
 
 
 def rollout_and_batch(engine, n=2):
@@ -69,31 +71,54 @@ def test_moe_flip_knob_swaps_the_kth_expert_at_its_rate(model):
     for the (k+1)-th. q = 0 is today's engine, bit for bit; refusals."""
     prompts = torch.randint(0, 300, (24, 20), generator=torch.Generator().manual_seed(1)).tolist()
     s = Sampling(temperature=1.0, max_new_tokens=4, seed=5)
-    plain, zero, flip = (EmbeddedEngine(model, dtype="fp32", **kw).generate(prompts, s) for kw in ({}, {"moe_flip": 0.0}, {"moe_flip": 0.3}))
-    assert torch.equal(plain.tokens, zero.tokens) and torch.equal(plain.infer_logp, zero.infer_logp) and torch.equal(plain.routing, zero.routing)
+    plain, zero, flip = (
+        EmbeddedEngine(model, dtype="fp32", **kw).generate(prompts, s)
+        for kw in ({}, {"moe_flip": 0.0}, {"moe_flip": 0.3})
+    )
+    assert (
+        torch.equal(plain.tokens, zero.tokens)
+        and torch.equal(plain.infer_logp, zero.infer_logp)
+        and torch.equal(plain.routing, zero.routing)
+    )
     a, b = plain.routing[:, :20, 0], flip.routing[:, :20, 0]  # [rows, prompt columns, k]
     differs = (a.sort(-1).values != b.sort(-1).values).any(-1)
     rate, sd = differs.float().mean().item(), (0.3 * 0.7 / differs.numel()) ** 0.5
     assert abs(rate - 0.3) < 4 * sd, rate
-    assert torch.equal(a[differs][:, 0], b[differs][:, 0]) and (a[differs][:, 1] != b[differs][:, 1]).all()  # top-1 kept, k-th swapped
-    assert (flip.routing[:, :, 1:] != plain.routing[:, :, 1:]).any()  # later layers see flipped inputs (and their own flips)
+    assert (
+        torch.equal(a[differs][:, 0], b[differs][:, 0]) and (a[differs][:, 1] != b[differs][:, 1]).all()
+    )  # top-1 kept, k-th swapped
+    assert (
+        flip.routing[:, :, 1:] != plain.routing[:, :, 1:]
+    ).any()  # later layers see flipped inputs (and their own flips)
     for q in (-0.1, 1.5):
         with pytest.raises(ValueError, match=r"moe_flip \(--moe-flip\) must be in \[0, 1\]"):
             EmbeddedEngine(model, moe_flip=q)
-    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                                   num_attention_heads=2, num_key_value_heads=2))
+    dense = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     with pytest.raises(ValueError, match="needs an MoE model"):
         EmbeddedEngine(dense, moe_flip=0.1)
     with pytest.raises(NotImplementedError, match="prefix_cache is not implemented for MoE models"):
         EmbeddedEngine(model, prefix_cache=True)
-    for kw, msg in ((dict(moe_flip=1.5), r"--moe-flip must be a probability in \[0, 1\]"), (dict(engine="sglang", moe_flip=0.1), "--moe-flip is a knob of the embedded")):
+    for kw, msg in (
+        (dict(moe_flip=1.5), r"--moe-flip must be a probability in \[0, 1\]"),
+        (dict(engine="sglang", moe_flip=0.1), "--moe-flip is a knob of the embedded"),
+    ):
         with pytest.raises(ValueError, match=msg):
             resolve(Config(**kw), 1)
 
 
 def test_router_replay_hand_case():
     router = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(
-        transformers.Qwen3MoeConfig(hidden_size=2, num_experts=3, num_experts_per_tok=2, norm_topk_prob=True))
+        transformers.Qwen3MoeConfig(hidden_size=2, num_experts=3, num_experts_per_tok=2, norm_topk_prob=True)
+    )
     with torch.no_grad():
         router.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
     block = torch.nn.Module()
@@ -107,7 +132,9 @@ def test_router_replay_hand_case():
     with moe.routing(block, torch.tensor([[[2, 0]], [[-1, -1]]])):  # [tokens, layers, k]: token 0 replayed, token 1 own
         _, w, idx = router(h)
     assert idx.tolist() == [[2, 0], [1, 0]] and moe.chosen(block)[:, 0].tolist() == [[0, 1], [1, 0]]
-    assert torch.allclose(w[0], torch.stack([p0[2], p0[0]]) / (p0[2] + p0[0]))  # the trainer's probabilities, renormalised
+    assert torch.allclose(
+        w[0], torch.stack([p0[2], p0[0]]) / (p0[2] + p0[0])
+    )  # the trainer's probabilities, renormalised
     with pytest.raises(ValueError, match="choices for 2 layers"):
         with moe.routing(block, torch.zeros(2, 2, 2, dtype=torch.long)):
             pass
@@ -132,7 +159,12 @@ def test_routing_replay_reproduces_the_engine_when_the_trainer_routes_differentl
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for blk in moe.blocks(trainer):
-            blk.gate.weight.add_(NUDGE * blk.gate.weight.norm() / blk.gate.weight.numel() ** 0.5 * torch.randn(blk.gate.weight.shape, generator=g))
+            blk.gate.weight.add_(
+                NUDGE
+                * blk.gate.weight.norm()
+                / blk.gate.weight.numel() ** 0.5
+                * torch.randn(blk.gate.weight.shape, generator=g)
+            )
     own = trainer_logp(trainer, ro, b)
     routed = (ro.routing >= 0).all(-1).all(-1)
     flips = moe.flip_metrics(ro.routing[routed], moe.chosen(trainer).view(*ro.routing.shape)[routed])["moe/flip_frac"]
@@ -165,8 +197,24 @@ def test_tiny_moe_trains_with_routing_replay_and_logs_router_flips(tmp_path):
     rows = {}
     for replay in (False, True):
         out = tmp_path / f"replay{int(replay)}"
-        proc = train_cli("--tiny", "moe", "--steps", "2", "--rollout-batch", "16", "--critic-pretrain", "0", "--eval-every", "100",
-                         "--eval-size", "4", "--out-dir", out, *(["--routing-replay"] if replay else []), timeout=1800)
+        proc = train_cli(
+            "--tiny",
+            "moe",
+            "--steps",
+            "2",
+            "--rollout-batch",
+            "16",
+            "--critic-pretrain",
+            "0",
+            "--eval-every",
+            "100",
+            "--eval-size",
+            "4",
+            "--out-dir",
+            out,
+            *(["--routing-replay"] if replay else []),
+            timeout=1800,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         rows[replay] = read_metrics(out)[1]  # step 1: same weights, same rollouts
     for r in rows.values():
@@ -184,10 +232,14 @@ def test_checkpoint_has_per_expert_names_and_loads_back(model, tmp_path):
     _save_hf(model, str(tmp_path / "ckpt"), rank=0)
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    assert "model.layers.0.mlp.experts.7.up_proj.weight" in names and not any(n.endswith("experts.gate_up_proj") for n in names)
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in names and not any(
+        n.endswith("experts.gate_up_proj") for n in names
+    )
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)
     want = model.state_dict()
-    assert back.state_dict().keys() == want.keys() and all(torch.equal(t, want[k]) for k, t in back.state_dict().items())
+    assert back.state_dict().keys() == want.keys() and all(
+        torch.equal(t, want[k]) for k, t in back.state_dict().items()
+    )
 
 
 def test_untie_head_keeps_the_function_and_writes_a_head(tmp_path):

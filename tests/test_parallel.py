@@ -17,13 +17,29 @@ from data.tiny import tiny_config
 # norm <= 4e-7, clipped gradients <= 3e-9, weights after one AdamW step (lr 1e-3) <= 5e-7, dp gradients
 # <= 1.2e-7. A broken plan (e.g. Qwen3's q_norm left out) gives gradient differences of ~6e-3.
 TOLERANCES = {
-    "logits": 5e-6, "values": 5e-6, "loss": 1e-6, "grads": 3e-6, "grad_norm_rel": 1e-5,
-    "clipped_grads": 3e-8, "weights_after_step": 5e-6, "engine_sync": 2e-5,
+    "logits": 5e-6,
+    "values": 5e-6,
+    "loss": 1e-6,
+    "grads": 3e-6,
+    "grad_norm_rel": 1e-5,
+    "clipped_grads": 3e-8,
+    "weights_after_step": 5e-6,
+    "engine_sync": 2e-5,
 }
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # tests/tp_worker.py's CONFIGS
-TP_CHECKS = [f"{fam}/{kind}/{check}" for fam in FAMILIES for kind in ("policy", "critic")
-             for check in ("logits" if kind == "policy" else "values", "loss", "grads", "grad_norm_rel",
-                           "clipped_grads", "weights_after_step")]
+TP_CHECKS = [
+    f"{fam}/{kind}/{check}"
+    for fam in FAMILIES
+    for kind in ("policy", "critic")
+    for check in (
+        "logits" if kind == "policy" else "values",
+        "loss",
+        "grads",
+        "grad_norm_rel",
+        "clipped_grads",
+        "weights_after_step",
+    )
+]
 TP_CHECKS += [f"{fam}/policy/engine_sync" for fam in FAMILIES]
 DP_CHECKS = ["dp/llama/policy/grads", "dp/llama/critic/grads", "dp/dtensor_linear/grads"]
 
@@ -52,12 +68,15 @@ def meta_model(cls=transformers.LlamaForCausalLM, **overrides):
         return cls(config)
 
 
-@pytest.mark.parametrize("overrides, tp, named", [
-    (dict(hidden_size=192, num_attention_heads=6), 4, "num_attention_heads=6"),
-    (dict(), 4, "num_key_value_heads=2"),
-    (dict(num_key_value_heads=4, intermediate_size=510), 4, "intermediate_size=510"),
-    (dict(vocab_size=301), 2, "vocab_size=301"),
-])
+@pytest.mark.parametrize(
+    "overrides, tp, named",
+    [
+        (dict(hidden_size=192, num_attention_heads=6), 4, "num_attention_heads=6"),
+        (dict(), 4, "num_key_value_heads=2"),
+        (dict(num_key_value_heads=4, intermediate_size=510), 4, "intermediate_size=510"),
+        (dict(vocab_size=301), 2, "vocab_size=301"),
+    ],
+)
 def test_check_tp_names_indivisible_size(overrides, tp, named):
     with pytest.raises(ValueError, match=f"{named} is not divisible by tp={tp}"):
         parallel.check_tp(meta_model(**overrides), tp)
@@ -70,8 +89,9 @@ def test_check_tp_accepts_supported_models():
 
 def test_check_tp_names_unsupported_architecture():
     with torch.device("meta"):
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
-                                                                  bos_token_id=0, eos_token_id=0))
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+        )
     with pytest.raises(ValueError, match="does not cover GPT2LMHeadModel; supported: LlamaForCausalLM, "):
         parallel.check_tp(model, 2)
 

@@ -26,10 +26,12 @@ from train_ppo import check_finite, main, optimizer_step
 @pytest.fixture
 def model_copy(tmp_path, tiny_model_dir):
     """model_copy(name): a copy of the default tiny model folder, to break in a test."""
+
     def copy(name="model") -> str:
         dst = str(tmp_path / name)
         shutil.copytree(tiny_model_dir, dst)
         return dst
+
     return copy
 
 
@@ -46,9 +48,20 @@ def test_model_folder_problems_are_named_before_weights_load(tmp_path, model_cop
     """Each folder has no weights at all: the error must come from the checks, not from loading."""
     for name, fix, msg in [
         ("gpt2", lambda p: _break_config(p, model_type="gpt2"), "model type 'gpt2' is not supported"),
-        ("small_vocab", lambda p: _break_config(p, vocab_size=8), "the tokenizer has .* tokens but the model's vocabulary only 8"),
-        ("no_tok", lambda p: [os.remove(os.path.join(p, f)) for f in os.listdir(p) if f.startswith(("tokenizer", "special", "vocab", "merges", "chat"))],
-         "has no tokenizer files"),
+        (
+            "small_vocab",
+            lambda p: _break_config(p, vocab_size=8),
+            "the tokenizer has .* tokens but the model's vocabulary only 8",
+        ),
+        (
+            "no_tok",
+            lambda p: [
+                os.remove(os.path.join(p, f))
+                for f in os.listdir(p)
+                if f.startswith(("tokenizer", "special", "vocab", "merges", "chat"))
+            ],
+            "has no tokenizer files",
+        ),
     ]:
         path = model_copy(name)
         os.remove(os.path.join(path, "model.safetensors"))
@@ -72,8 +85,11 @@ def test_truncated_model_weights_are_named(tmp_path, model_copy):
 
 def test_over_long_data_row_is_found_before_training(tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(20))
-                    + json.dumps({"prompt": "9 " * 2000, "answer": "x"}) + "\n")
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(20))
+        + json.dumps({"prompt": "9 " * 2000, "answer": "x"})
+        + "\n"
+    )
     with pytest.raises(ValueError, match=r"d.jsonl: row 20 \(line 21\)"):
         main(small(tmp_path / "run", task=str(data)))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -86,7 +102,9 @@ def test_over_long_data_row_is_found_before_training(tmp_path):
 def test_huge_rewards_stop_the_run_on_the_critic(tmp_path, monkeypatch):
     """Rewards of 1e30 overflow the value loss: the critic's updates are skipped, and good policy updates no
     longer reset its count (one counter per model), so the run stops instead of exiting 0 having learned nothing."""
-    monkeypatch.setattr(evaluation, "score", lambda task, completions, columns: Scores.of(torch.full((len(completions),), 1e30)))
+    monkeypatch.setattr(
+        evaluation, "score", lambda task, completions, columns: Scores.of(torch.full((len(completions),), 1e30))
+    )
     with pytest.raises(RuntimeError, match="consecutive critic updates had a non-finite loss or gradient"):
         main(small(tmp_path, steps=6, max_bad_steps=3))
 
@@ -124,12 +142,20 @@ def test_blow_up_points_at_the_checkpoint_before_it_and_resumes_with_a_new_lr(tm
     with pytest.raises(RuntimeError, match=r"3 consecutive policy updates.*resume from .*step_000002"):
         main(cfg)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000001", "step_000002"]
-    monkeypatch.setattr(evaluation, "score", lambda task, completions, columns: Scores.of(torch.zeros(len(completions))))
-    hist = main(small(tmp_path, algo="grpo", grpo_std=False, steps=3, save_every=1, keep_checkpoints=5, max_bad_steps=3, lr=1e-5))
+    monkeypatch.setattr(
+        evaluation, "score", lambda task, completions, columns: Scores.of(torch.zeros(len(completions)))
+    )
+    hist = main(
+        small(
+            tmp_path, algo="grpo", grpo_std=False, steps=3, save_every=1, keep_checkpoints=5, max_bad_steps=3, lr=1e-5
+        )
+    )
     assert [r["step"] for r in hist if "pretrain/step" not in r] == [0, 1, 2, 3]
     state = torch.load(tmp_path / "checkpoints" / "step_000003" / "trainer_rank0.pt", weights_only=True)
     assert state["optimizers"]["policy"]["param_groups"][0]["lr"] == 1e-5
-    assert json.load(open(tmp_path / "config.json"))["resumes"] == [{"step": 2, "changed": {"steps": [8, 3], "lr": [0.0002, 1e-05]}}]
+    assert json.load(open(tmp_path / "config.json"))["resumes"] == [
+        {"step": 2, "changed": {"steps": [8, 3], "lr": [0.0002, 1e-05]}}
+    ]
 
 
 # ----------------------------------------------------------------------------- the run folder
@@ -138,9 +164,12 @@ def test_blow_up_points_at_the_checkpoint_before_it_and_resumes_with_a_new_lr(tm
 @pytest.mark.e2e
 def test_resume_refuses_changes_it_cannot_honour(tmp_path):
     main(small(tmp_path, steps=1))
-    for kw, named in [(dict(algo="grpo"), "--algo 'ppo' -> 'grpo'"), (dict(task="sort"), "--task 'addition' -> 'sort'"),
-                      (dict(freeze_critic_attention=True), "--freeze-critic-attention False -> True"),
-                      (dict(clip_high=0.3), "--clip-high 0.28 -> 0.3")]:
+    for kw, named in [
+        (dict(algo="grpo"), "--algo 'ppo' -> 'grpo'"),
+        (dict(task="sort"), "--task 'addition' -> 'sort'"),
+        (dict(freeze_critic_attention=True), "--freeze-critic-attention False -> True"),
+        (dict(clip_high=0.3), "--clip-high 0.28 -> 0.3"),
+    ]:
         with pytest.raises(ValueError, match="that this resume would change: " + named.replace("(", r"\(")):
             main(small(tmp_path, steps=2, **kw))
     assert os.listdir(tmp_path / "checkpoints") == ["step_000001"]
@@ -170,17 +199,26 @@ def test_damaged_newest_checkpoint_falls_back_and_torn_metrics_line_is_dropped(t
     for d in os.listdir(tmp_path / "checkpoints"):
         os.truncate(tmp_path / "checkpoints" / d / "trainer_rank0.pt", 10)
     assert latest_checkpoint(str(tmp_path)) is None
-    with pytest.raises(RuntimeError, match=r"holds a run's records but no usable checkpoint.*step_000003 \(.*trainer_rank0.pt is missing or damaged"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"holds a run's records but no usable checkpoint.*step_000003 \(.*trainer_rank0.pt is missing or damaged",
+    ):
         check_fresh_start(str(tmp_path))
 
 
 @pytest.mark.torchrun
 def test_killing_the_torchrun_agent_kills_its_workers(tmp_path):
     script = tmp_path / "w.py"
-    script.write_text(f"import os, sys, time\nsys.path.insert(0, {REPO!r})\nfrom parallel import init_runtime\ninit_runtime()\n"
-                      f"open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
-    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(script)],
-                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    script.write_text(
+        f"import os, sys, time\nsys.path.insert(0, {REPO!r})\nfrom parallel import init_runtime\ninit_runtime()\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n"
+    )
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(script)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while not (tmp_path / "pid").exists() and time.time() < deadline:
         time.sleep(0.2)
@@ -214,8 +252,10 @@ def test_trainer_state_with_a_pickle_payload_is_refused(tmp_path):
     marker = "/tmp/icepop_payload_ran"
     if os.path.exists(marker):
         os.remove(marker)
-    torch.save({"step": 1, "optimizers": {}, "rng": {"torch": torch.get_rng_state(), "python": None}, "x": _Payload()},
-               tmp_path / "trainer_rank0.pt")
+    torch.save(
+        {"step": 1, "optimizers": {}, "rng": {"torch": torch.get_rng_state(), "python": None}, "x": _Payload()},
+        tmp_path / "trainer_rank0.pt",
+    )
     with pytest.raises(Exception, match="Weights only load failed"):
         load_trainer_state(str(tmp_path), 0, 1, {})
     assert not os.path.exists(marker)
@@ -248,24 +288,58 @@ def _bad_metrics_line(d):
 
 # name -> (damage(run folder), the checkpoint step a resume takes, or the error a rerun stops with; the note or error)
 HOSTILE_FOLDERS = {
-    "newest_without_meta": (lambda d: _remove(_ckpt(d, 2, "meta.json")), 1, r"skipped damaged step_000002 \(meta.json is missing"),
-    "newest_meta_truncated": (lambda d: os.truncate(_ckpt(d, 2, "meta.json"), 5), 1, r"step_000002 \(meta.json is unreadable \(JSONDecodeError"),
-    "newest_without_critic": (lambda d: _remove(_ckpt(d, 2, "critic")), 1, r"skipped damaged step_000002 \(critic/config.json is missing"),
-    "newest_critic_without_config": (lambda d: _remove(_ckpt(d, 2, "critic", "config.json")), 1,
-                                     r"skipped damaged step_000002 \(critic/config.json is missing"),
-    "newest_critic_without_weights": (lambda d: _remove(_ckpt(d, 2, "critic", "model.safetensors")), 1,
-                                      r"step_000002 \(critic/model.safetensors is missing"),
-    "newest_policy_config_truncated": (lambda d: os.truncate(_ckpt(d, 2, "policy", "config.json"), 20), 1,
-                                       r"step_000002 \(policy/config.json is not valid JSON"),
-    "only_step_folder_without_meta": (lambda d: _remove(_ckpt(d, 2), _ckpt(d, 1, "meta.json")), RuntimeError,
-                                      r"config.json; metrics.jsonl \(3 rows, up to step 2\); samples/ \(2 files\); "
-                                      r"checkpoints/step_000001 \(meta.json is missing"),
-    "records_but_no_checkpoint": (lambda d: _remove(os.path.join(d, "checkpoints")), RuntimeError,
-                                  r"no usable checkpoint to resume from: config.json; metrics.jsonl \(3 rows, up to step 2\); samples/"),
-    "config_json_only": (lambda d: _remove(*[os.path.join(d, f) for f in ("checkpoints", "metrics.jsonl", "samples")]), RuntimeError,
-                         r"no usable checkpoint to resume from: config.json\. Starting afresh would overwrite them: use a new --out-dir, "
-                         r"or remove those files"),
-    "metrics_bad_line_mid_file": (_bad_metrics_line, ValueError, r"metrics.jsonl: line 2 is not valid JSON .*; repair or remove it to resume"),
+    "newest_without_meta": (
+        lambda d: _remove(_ckpt(d, 2, "meta.json")),
+        1,
+        r"skipped damaged step_000002 \(meta.json is missing",
+    ),
+    "newest_meta_truncated": (
+        lambda d: os.truncate(_ckpt(d, 2, "meta.json"), 5),
+        1,
+        r"step_000002 \(meta.json is unreadable \(JSONDecodeError",
+    ),
+    "newest_without_critic": (
+        lambda d: _remove(_ckpt(d, 2, "critic")),
+        1,
+        r"skipped damaged step_000002 \(critic/config.json is missing",
+    ),
+    "newest_critic_without_config": (
+        lambda d: _remove(_ckpt(d, 2, "critic", "config.json")),
+        1,
+        r"skipped damaged step_000002 \(critic/config.json is missing",
+    ),
+    "newest_critic_without_weights": (
+        lambda d: _remove(_ckpt(d, 2, "critic", "model.safetensors")),
+        1,
+        r"step_000002 \(critic/model.safetensors is missing",
+    ),
+    "newest_policy_config_truncated": (
+        lambda d: os.truncate(_ckpt(d, 2, "policy", "config.json"), 20),
+        1,
+        r"step_000002 \(policy/config.json is not valid JSON",
+    ),
+    "only_step_folder_without_meta": (
+        lambda d: _remove(_ckpt(d, 2), _ckpt(d, 1, "meta.json")),
+        RuntimeError,
+        r"config.json; metrics.jsonl \(3 rows, up to step 2\); samples/ \(2 files\); "
+        r"checkpoints/step_000001 \(meta.json is missing",
+    ),
+    "records_but_no_checkpoint": (
+        lambda d: _remove(os.path.join(d, "checkpoints")),
+        RuntimeError,
+        r"no usable checkpoint to resume from: config.json; metrics.jsonl \(3 rows, up to step 2\); samples/",
+    ),
+    "config_json_only": (
+        lambda d: _remove(*[os.path.join(d, f) for f in ("checkpoints", "metrics.jsonl", "samples")]),
+        RuntimeError,
+        r"no usable checkpoint to resume from: config.json\. Starting afresh would overwrite them: use a new --out-dir, "
+        r"or remove those files",
+    ),
+    "metrics_bad_line_mid_file": (
+        _bad_metrics_line,
+        ValueError,
+        r"metrics.jsonl: line 2 is not valid JSON .*; repair or remove it to resume",
+    ),
 }
 
 
@@ -284,7 +358,11 @@ def test_hostile_run_folders(case, ppo_run, tmp_path, capsys, monkeypatch):
         assert latest_checkpoint(run, "ppo") == _ckpt(run, want)
         assert re.search(msg, capsys.readouterr().out)
         return
-    before = {f: open(os.path.join(run, f), "rb").read() for f in ("config.json", "metrics.jsonl") if os.path.exists(os.path.join(run, f))}
+    before = {
+        f: open(os.path.join(run, f), "rb").read()
+        for f in ("config.json", "metrics.jsonl")
+        if os.path.exists(os.path.join(run, f))
+    }
     monkeypatch.setattr(train_ppo, "build_models", lambda *a: pytest.fail("a model was built before the refusal"))
     with pytest.raises(want, match=msg):
         main(small(run, steps=3, save_every=1))
@@ -309,7 +387,9 @@ def test_a_folder_with_only_the_lock_is_a_fresh_start(tmp_path):
 # ----------------------------------------------------------------------------- a run's identity (issue 21, class 4)
 
 
-REWARD = "def score(completions, *, answer, **_):\n    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+REWARD = (
+    "def score(completions, *, answer, **_):\n    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+)
 ENV_FILE = "class Env:\n    def reset(self, row):\n        return 'go'\n    def step(self, text):\n        return None, 1.0, True\n"
 
 
@@ -331,7 +411,12 @@ def recorded(tmp_path):
     meta.json), with a data file, a reward file and an environment file; returns the launch's Config."""
     for name, text in (("d.jsonl", _rows(20)), ("reward.py", REWARD), ("env.py", ENV_FILE)):
         (tmp_path / name).write_text(text)
-    cfg = small(tmp_path / "run", task=str(tmp_path / "d.jsonl"), reward=f"{tmp_path / 'reward.py'}:score", env=f"{tmp_path / 'env.py'}:Env")
+    cfg = small(
+        tmp_path / "run",
+        task=str(tmp_path / "d.jsonl"),
+        reward=f"{tmp_path / 'reward.py'}:score",
+        env=f"{tmp_path / 'env.py'}:Env",
+    )
     os.makedirs(_ckpt(cfg.out_dir, 1))
     open(_ckpt(cfg.out_dir, 1, "meta.json"), "w").write(json.dumps({"step": 1, "world_size": 1}))
     inputs = input_fingerprints(cfg, get_task(cfg.task, reward_fn=load_reward(cfg.reward)))
@@ -366,30 +451,60 @@ def _relative(cfg, tmp, key):  # the test runs in tmp
 
 # name -> (change(launch cfg, tmp_path) -> resume cfg, a refusal's pattern, or the accepted changes' keys)
 IDENTITY = {
-    "data_file_edited": (lambda c, t: _edit(c.task, lambda s: s.replace('"0003"', '"9999"')) or c,
-                         r"--task: .*d.jsonl \(sha256 \w+\) recorded, .*d.jsonl \(sha256 \w+\) now"),
-    "data_rows_appended": (lambda c, t: _edit(c.task, lambda s: s + _rows(23)[len(s):]) or c,
-                           r"the held-out split: 2 rows \(sha256 \w+\) recorded, 2 rows \(sha256 \w+\) now; the train split: 18 rows"),
-    "reward_file_edited": (lambda c, t: _edit(c.reward.rpartition(":")[0], lambda s: s.replace("float(", "-float(")) or c,
-                           r"--reward's file: .*reward.py \(sha256"),
-    "env_file_edited": (lambda c, t: _edit(c.env.rpartition(":")[0], lambda s: s.replace("1.0", "2.0")) or c, r"--env's file: .*env.py"),
-    "another_reward_function": (lambda c, t: replace(c, reward=c.reward.replace(":score", ":other")), r"--reward '.*:score' -> '.*:other'"),
-    "missing_key_in_record": (lambda c, t: _edit_record(c, lambda m: {**m, "config": {k: v for k, v in m["config"].items() if k != "algo"}})
-                              or replace(c, algo="grpo"), r"--algo \(not recorded\) -> 'grpo'"),
-    "missing_key_at_its_default": (lambda c, t: _edit_record(c, lambda m: {**m, "config": {k: v for k, v in m["config"].items() if k != "algo"}})
-                                   or c, set()),  # an option newer than the run, at its default: no change
-    "no_fingerprints_in_record": (lambda c, t: _edit_record(c, lambda m: {k: v for k, v in m.items() if k != "inputs"}) or c,
-                                  r"inputs changed since it was launched: config.json records no fingerprints"),
-    "truncated_config_json": (lambda c, t: os.truncate(os.path.join(c.out_dir, "config.json"), 30) or c,
-                              r"config.json is unreadable or not valid JSON \(JSONDecodeError.*\); restore it"),
-    "config_json_not_a_record": (lambda c, t: _edit_record(c, lambda m: [1, 2]) or c, r'config.json has no "config" object'),
+    "data_file_edited": (
+        lambda c, t: _edit(c.task, lambda s: s.replace('"0003"', '"9999"')) or c,
+        r"--task: .*d.jsonl \(sha256 \w+\) recorded, .*d.jsonl \(sha256 \w+\) now",
+    ),
+    "data_rows_appended": (
+        lambda c, t: _edit(c.task, lambda s: s + _rows(23)[len(s) :]) or c,
+        r"the held-out split: 2 rows \(sha256 \w+\) recorded, 2 rows \(sha256 \w+\) now; the train split: 18 rows",
+    ),
+    "reward_file_edited": (
+        lambda c, t: _edit(c.reward.rpartition(":")[0], lambda s: s.replace("float(", "-float(")) or c,
+        r"--reward's file: .*reward.py \(sha256",
+    ),
+    "env_file_edited": (
+        lambda c, t: _edit(c.env.rpartition(":")[0], lambda s: s.replace("1.0", "2.0")) or c,
+        r"--env's file: .*env.py",
+    ),
+    "another_reward_function": (
+        lambda c, t: replace(c, reward=c.reward.replace(":score", ":other")),
+        r"--reward '.*:score' -> '.*:other'",
+    ),
+    "missing_key_in_record": (
+        lambda c, t: (
+            _edit_record(c, lambda m: {**m, "config": {k: v for k, v in m["config"].items() if k != "algo"}})
+            or replace(c, algo="grpo")
+        ),
+        r"--algo \(not recorded\) -> 'grpo'",
+    ),
+    "missing_key_at_its_default": (
+        lambda c, t: (
+            _edit_record(c, lambda m: {**m, "config": {k: v for k, v in m["config"].items() if k != "algo"}}) or c
+        ),
+        set(),
+    ),  # an option newer than the run, at its default: no change
+    "no_fingerprints_in_record": (
+        lambda c, t: _edit_record(c, lambda m: {k: v for k, v in m.items() if k != "inputs"}) or c,
+        r"inputs changed since it was launched: config.json records no fingerprints",
+    ),
+    "truncated_config_json": (
+        lambda c, t: os.truncate(os.path.join(c.out_dir, "config.json"), 30) or c,
+        r"config.json is unreadable or not valid JSON \(JSONDecodeError.*\); restore it",
+    ),
+    "config_json_not_a_record": (
+        lambda c, t: _edit_record(c, lambda m: [1, 2]) or c,
+        r'config.json has no "config" object',
+    ),
     "out_dir_trailing_slash": (lambda c, t: replace(c, out_dir=c.out_dir + "/"), set()),
     "out_dir_relative": (lambda c, t: _relative(c, t, "out_dir"), set()),
     "run_folder_moved": (_moved_run, set()),
     "data_path_relative": (lambda c, t: _relative(c, t, "task"), set()),
     "data_file_moved_same_content": (_moved_data, {"inputs/task"}),
-    "changed_data_accepted_with_the_flag": (lambda c, t: _edit(c.task, lambda s: s + _rows(23)[len(s):]) or replace(c, accept_changed_inputs=True),
-                                            {"accept_changed_inputs", "inputs/task", "inputs/train_split", "inputs/test_split"}),
+    "changed_data_accepted_with_the_flag": (
+        lambda c, t: _edit(c.task, lambda s: s + _rows(23)[len(s) :]) or replace(c, accept_changed_inputs=True),
+        {"accept_changed_inputs", "inputs/task", "inputs/train_split", "inputs/test_split"},
+    ),
 }
 
 
@@ -416,7 +531,10 @@ def test_appended_data_rows_are_refused_on_resume_and_accepted_with_the_flag(tmp
     data.write_text(_rows(20))
     main(small(tmp_path / "run", task=str(data), steps=1))
     data.write_text(_rows(23))
-    with pytest.raises(ValueError, match=r"the held-out split: 2 rows .* recorded, .*; the train split: 18 rows \(sha256 \w+\) recorded, 21 rows \(sha256 \w+\) now"):
+    with pytest.raises(
+        ValueError,
+        match=r"the held-out split: 2 rows .* recorded, .*; the train split: 18 rows \(sha256 \w+\) recorded, 21 rows \(sha256 \w+\) now",
+    ):
         main(small(tmp_path / "run", task=str(data), steps=2))
     hist = main(small(tmp_path / "run", task=str(data), steps=2, accept_changed_inputs=True))
     assert [r["step"] for r in hist] == [0, 1, 2]
@@ -429,8 +547,21 @@ def test_appended_data_rows_are_refused_on_resume_and_accepted_with_the_flag(tmp
 # ----------------------------------------------------------------------------- save on SIGTERM
 
 
-SIGTERM_ARGS = ["--steps", "12", "--save-every", "100", "--eval-every", "100", "--eval-size", "8", "--rollout-batch", "16",
-                "--critic-pretrain", "0", "--deterministic"]
+SIGTERM_ARGS = [
+    "--steps",
+    "12",
+    "--save-every",
+    "100",
+    "--eval-every",
+    "100",
+    "--eval-size",
+    "8",
+    "--rollout-batch",
+    "16",
+    "--critic-pretrain",
+    "0",
+    "--deterministic",
+]
 
 
 @pytest.mark.e2e
@@ -452,18 +583,28 @@ def test_sigterm_saves_at_the_step_boundary_and_the_resume_equals_uninterrupted(
     assert 3 <= step < 12 and f"SIGTERM: stopping after step {step}" in out
     assert os.listdir(tmp_path / "run" / "checkpoints") == [f"step_{step:06d}"]
     resumed = train_cli(*SIGTERM_ARGS, "--out-dir", tmp_path / "run")
-    assert resumed.returncode == 0 and f"resuming at step {step}" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and f"resuming at step {step}" in resumed.stdout, (
+        resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    )
     assert read_metrics(tmp_path / "run", volatile=False) == read_metrics(tmp_path / "ref", volatile=False)
 
 
 def test_sigterm_before_the_steps_or_twice_stops_at_once(tmp_path):
     """Before the RL steps (armed False) a SIGTERM stops at once; once armed, the first only asks for a checkpoint
     and a second stops at once: the process dies of the signal, as without the handler."""
-    code = ("import os, signal, sys, time\nsys.path.insert(0, {repo!r})\nfrom parallel import PREEMPTION\nPREEMPTION.install()\n"
-            "PREEMPTION.armed = {armed}\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.5)\nprint('requested', PREEMPTION.requested, flush=True)\n"
-            "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nprint('survived')\n")
+    code = (
+        "import os, signal, sys, time\nsys.path.insert(0, {repo!r})\nfrom parallel import PREEMPTION\nPREEMPTION.install()\n"
+        "PREEMPTION.armed = {armed}\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.5)\nprint('requested', PREEMPTION.requested, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nprint('survived')\n"
+    )
     for armed, printed in ((False, ""), (True, "requested True\n")):
-        p = subprocess.run([sys.executable, "-c", code.format(repo=REPO, armed=armed)], env=ENV, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-c", code.format(repo=REPO, armed=armed)],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == -signal.SIGTERM and p.stdout == printed, (armed, p.stdout, p.stderr)
 
 
@@ -472,8 +613,25 @@ def test_sigterm_to_one_rank_saves_on_every_rank(tmp_path):
     """Under torchrun (dp=2), a SIGTERM to rank 0 alone: the ranks agree at the step boundary (one all-reduce), so both
     write their trainer state into the checkpoint, and the job exits non-zero (a scheduler may requeue it)."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train_ppo.py",
-                             *SIGTERM_ARGS, "--out-dir", str(out)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "train_ppo.py",
+            *SIGTERM_ARGS,
+            "--out-dir",
+            str(out),
+        ],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4:
@@ -483,4 +641,7 @@ def test_sigterm_to_one_rank_saves_on_every_rank(tmp_path):
     text = proc.communicate(timeout=300)[0]
     step = read_metrics(out)[-1]["step"]
     assert proc.returncode != 0 and step < 12 and f"SIGTERM: stopping after step {step}" in text, text[-3000:]
-    assert {f for f in os.listdir(out / "checkpoints" / f"step_{step:06d}") if f.startswith("trainer_rank")} == {"trainer_rank0.pt", "trainer_rank1.pt"}
+    assert {f for f in os.listdir(out / "checkpoints" / f"step_{step:06d}") if f.startswith("trainer_rank")} == {
+        "trainer_rank0.pt",
+        "trainer_rank1.pt",
+    }

@@ -12,8 +12,16 @@ from conftest import trainer_logp
 from rollout import EmbeddedEngine, Rollout, Sampling, fake_quant_int4
 
 V = 300
-LLAMA = dict(vocab_size=V, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+LLAMA = dict(
+    vocab_size=V,
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+)
 
 
 def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> torch.nn.Module:
@@ -34,7 +42,9 @@ def tiny(kind: str = "llama", seed: int = 0) -> transformers.PreTrainedModel:
         config = transformers.LlamaConfig(**LLAMA, rope_theta=5000.0)
         return randomize(transformers.LlamaForCausalLM(config), seed)
     if kind == "qwen2":  # q/k/v bias, untied lm_head
-        config = transformers.Qwen2Config(**{**LLAMA, "tie_word_embeddings": False, "num_hidden_layers": 2}, rope_theta=1e6)
+        config = transformers.Qwen2Config(
+            **{**LLAMA, "tie_word_embeddings": False, "num_hidden_layers": 2}, rope_theta=1e6
+        )
         return randomize(transformers.Qwen2ForCausalLM(config), seed)
     if kind == "qwen3":  # q/k norm, head_dim != hidden / heads
         config = transformers.Qwen3Config(**{**LLAMA, "num_hidden_layers": 2}, head_dim=40, rope_theta=1e6)
@@ -98,8 +108,9 @@ def test_refuses_what_it_does_not_implement(model):
 # ---- log-probs vs the trainer ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p",
-                         [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 20, 1.0), (0.7, 0, 0.9), (0.7, 20, 0.9)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 20, 1.0), (0.7, 0, 0.9), (0.7, 20, 0.9)]
+)
 def test_infer_logp_equals_trainer_recompute(model, engine, temperature, top_k, top_p):
     s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, n=2, seed=3)
     ro = engine.generate(PROMPTS, s)
@@ -203,7 +214,9 @@ def test_row_seeds_make_sampling_independent_of_the_batch_split(model, engine):
     s = Sampling(max_new_tokens=10, n=2, seed=11)
     whole = engine.generate(PROMPTS, s)
     first = engine.generate(PROMPTS[:2], s)
-    second = EmbeddedEngine(model, max_batch_tokens=2 * 17).generate(PROMPTS[2:], Sampling(max_new_tokens=10, n=2, seed=11 + 4))
+    second = EmbeddedEngine(model, max_batch_tokens=2 * 17).generate(
+        PROMPTS[2:], Sampling(max_new_tokens=10, n=2, seed=11 + 4)
+    )
     for part, rows in ((first, slice(0, 4)), (second, slice(4, 8))):
         T = part.tokens.size(1)
         assert torch.equal(part.tokens, whole.tokens[rows, :T]) and torch.equal(part.mask, whole.mask[rows, :T])
@@ -228,11 +241,17 @@ def test_stop_tokens_and_padding(engine):
 
 
 def test_to_batch_layout():
-    ro = Rollout(tokens=torch.tensor([[7, 8, 0], [9, 0, 0]]), infer_logp=torch.zeros(2, 3),
-                 mask=torch.tensor([[True, True, False], [True, False, False]]),
-                 prompt_ids=[[1, 2], [3, 4, 5]], finish_reasons=["stop", "stop"])
+    ro = Rollout(
+        tokens=torch.tensor([[7, 8, 0], [9, 0, 0]]),
+        infer_logp=torch.zeros(2, 3),
+        mask=torch.tensor([[True, True, False], [True, False, False]]),
+        prompt_ids=[[1, 2], [3, 4, 5]],
+        finish_reasons=["stop", "stop"],
+    )
     input_ids, attention_mask, position_ids, P, keep, group, routing = ro.to_batch(pad_id=99)
-    assert P == 3 and keep.tolist() == [2, 3, 4] and group == 1  # the columns whose outputs predict response tokens 0, 1, 2
+    assert (
+        P == 3 and keep.tolist() == [2, 3, 4] and group == 1
+    )  # the columns whose outputs predict response tokens 0, 1, 2
     assert routing is None  # a dense engine records no experts
     assert input_ids.tolist() == [[99, 1, 2, 7, 8, 99], [3, 4, 5, 9, 99, 99]]
     assert attention_mask.tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]
@@ -314,7 +333,10 @@ def test_int4_groups_are_32_consecutive_input_elements():
     # 32, keeps the small blocks accurate (a per-row scale, or groups of 64, rounds them to 0).
     magnitude = torch.tensor([1e-3, 10.0, 1e-2, 1.0]).repeat_interleave(32)
     w = torch.randn(16, 128, generator=torch.Generator().manual_seed(1)) * magnitude
-    rel = lambda w_hat: ((w - w_hat).abs() / magnitude).reshape(16, 4, 32).mean((0, 2))  # noqa: E731  per block
+
+    def rel(w_hat):
+        return ((w - w_hat).abs() / magnitude).reshape(16, 4, 32).mean((0, 2))  # per block
+
     assert rel(fake_quant_int4(w)).max() < 0.15
     assert rel(fake_quant_int4(w, group_size=128))[0] > 0.5 and rel(fake_quant_int4(w, group_size=64))[0] > 0.5
     with pytest.raises(ValueError, match="not a multiple of group_size=32"):
@@ -325,8 +347,12 @@ def test_int4_engine_weights_and_shape_check(model):
     eng = EmbeddedEngine(model, dtype="int4")
     w = model.model.layers[1].self_attn.o_proj.weight.detach()
     assert torch.equal(eng._view("model.layers.1.self_attn.o_proj.weight", "test"), fake_quant_int4(w).bfloat16())
-    assert torch.equal(eng._view("model.norm.weight", "test"), model.model.norm.weight.detach().bfloat16())  # not quantised
-    assert torch.equal(eng._view("model.embed_tokens.weight", "test"), model.model.embed_tokens.weight.detach().bfloat16())
+    assert torch.equal(
+        eng._view("model.norm.weight", "test"), model.model.norm.weight.detach().bfloat16()
+    )  # not quantised
+    assert torch.equal(
+        eng._view("model.embed_tokens.weight", "test"), model.model.embed_tokens.weight.detach().bfloat16()
+    )
     eng.update_weights(model.named_parameters())  # re-applies the transform
     eng.check_weights(model.named_parameters())
     odd = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "intermediate_size": 100}))
@@ -382,23 +408,33 @@ def test_cuda_sleep_releases_weights_and_cache(model):
 # ---- bad input ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(temperature=0.0), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"),
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(n=0), "n must"), (dict(stop_token_ids=(-1,)), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=0.0), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(n=0), "n must"),
+        (dict(stop_token_ids=(-1,)), "stop_token_ids"),
+    ],
+)
 def test_bad_sampling(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Sampling(**kwargs)
 
 
-@pytest.mark.parametrize("prompts,sampling,match", [
-    ([], Sampling(), "non-empty list"),
-    ([[1, 2], []], Sampling(), "prompt 1 is empty"),
-    ([[1] * 230], Sampling(max_new_tokens=32), "prompt 0 has 230 tokens.*at most 224"),
-    ([[1, V]], Sampling(), "outside"),
-    ([[1, -1]], Sampling(), "outside"),
-    ([[1, 2]], Sampling(stop_token_ids=(V,)), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "prompts,sampling,match",
+    [
+        ([], Sampling(), "non-empty list"),
+        ([[1, 2], []], Sampling(), "prompt 1 is empty"),
+        ([[1] * 230], Sampling(max_new_tokens=32), "prompt 0 has 230 tokens.*at most 224"),
+        ([[1, V]], Sampling(), "outside"),
+        ([[1, -1]], Sampling(), "outside"),
+        ([[1, 2]], Sampling(stop_token_ids=(V,)), "stop_token_ids"),
+    ],
+)
 def test_bad_prompts(engine, prompts, sampling, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts, sampling)

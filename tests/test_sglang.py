@@ -36,8 +36,18 @@ def build_model(out_dir: str) -> str:
     with torch.no_grad():
         model.model.norm.weight.mul_(SHARPEN)
         torch.manual_seed(0)
-        samples = [model.generate(torch.tensor([p]), do_sample=True, top_k=0, max_new_tokens=12, num_return_sequences=4,
-                                  eos_token_id=None, pad_token_id=0)[:, len(p):] for p in PROMPTS]
+        samples = [
+            model.generate(
+                torch.tensor([p]),
+                do_sample=True,
+                top_k=0,
+                max_new_tokens=12,
+                num_return_sequences=4,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[:, len(p) :]
+            for p in PROMPTS
+        ]
     eos = int(torch.cat([x.flatten() for x in samples]).mode().values)
     model.config.eos_token_id = model.generation_config.eos_token_id = eos
     model.save_pretrained(out_dir)
@@ -158,8 +168,9 @@ def test_generate_shapes_stop_tokens_and_eos(engine, hf_model):
     assert "stop" in ro.finish_reasons
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.8),
-                                                     (1.0, 1, 1.0)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.8), (1.0, 1, 1.0)]
+)
 def test_logprobs_match_trainer(engine, hf_model, temperature, top_k, top_p):
     s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16, n=4)
     ro = engine.generate(PROMPTS, s)
@@ -208,7 +219,9 @@ def test_weight_sync_round_trip(engine, hf_model, monkeypatch):
     s = Sampling(temperature=0.7, max_new_tokens=16, n=2)
     sent = []  # the flush flag of every bucket sent
     send = engine._send
-    monkeypatch.setattr(engine, "_send", lambda bucket, flush_cache: (sent.append(flush_cache), send(bucket, flush_cache)))
+    monkeypatch.setattr(
+        engine, "_send", lambda bucket, flush_cache: (sent.append(flush_cache), send(bucket, flush_cache))
+    )
     monkeypatch.setattr(engine, "bucket_bytes", 1 << 17)  # 128 KiB: several buckets for this 4 MiB model
     try:
         t0 = time.time()
@@ -233,8 +246,10 @@ def test_sleep_wake_cycles(engine, hf_model):
     for cycle in range(2):
         before = engine.memory_in_use()
         released = engine.sleep()
-        print(f"\n[sglang] sleep {cycle}: in use {before / 2**20:.0f} MiB, released {released / 2**20:.1f} MiB "
-              f"({engine.device}; SGLang frees nothing on CPU)")
+        print(
+            f"\n[sglang] sleep {cycle}: in use {before / 2**20:.0f} MiB, released {released / 2**20:.1f} MiB "
+            f"({engine.device}; SGLang frees nothing on CPU)"
+        )
         with pytest.raises(RuntimeError, match="asleep"):
             engine.generate(PROMPTS, s)
         with pytest.raises(RuntimeError, match="asleep"):
@@ -267,7 +282,9 @@ def test_multi_turn_episodes(engine, hf_model):
     tok = build_tokenizer()
     rows = [{"prompt": p} for p in ("abc", "hello there", "x")]
     # The random model rarely samples its EOS after a chat header: its 4 most frequent tokens there end a turn.
-    probe = engine.generate([agent.first_prompt_ids(tok, "abc")], Sampling(max_new_tokens=16, n=8, seed=1)).tokens.flatten()
+    probe = engine.generate(
+        [agent.first_prompt_ids(tok, "abc")], Sampling(max_new_tokens=16, n=8, seed=1)
+    ).tokens.flatten()
     s = Sampling(max_new_tokens=8, n=2, seed=9, stop_token_ids=tuple(probe.bincount().topk(4).indices.tolist()))
     ep = agent.run_episodes(engine, tok, _Turns, rows, s, max_turns=4, context_len=256)
     ro = ep.rollout
@@ -354,15 +371,22 @@ def colocated_main(model_dir: str) -> None:
     if rank == 0:
         engine.shutdown()
         verdict = "ok" if worst.item() < FP32_ATOL else "FAILED"
-        print(f"[sglang torchrun] {verdict}: {world} ranks, 2 rollout + sync steps, max |infer - trainer| {worst.item():.2e}")
+        print(
+            f"[sglang torchrun] {verdict}: {world} ranks, 2 rollout + sync steps, max |infer - trainer| {worst.item():.2e}"
+        )
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _rows(ro, a: int, b: int):
     """Rows a:b of a Rollout (a plain object, so it pickles through gloo)."""
-    return type(ro)(tokens=ro.tokens[a:b], infer_logp=ro.infer_logp[a:b], mask=ro.mask[a:b],
-                    prompt_ids=ro.prompt_ids[a:b], finish_reasons=ro.finish_reasons[a:b])
+    return type(ro)(
+        tokens=ro.tokens[a:b],
+        infer_logp=ro.infer_logp[a:b],
+        mask=ro.mask[a:b],
+        prompt_ids=ro.prompt_ids[a:b],
+        finish_reasons=ro.finish_reasons[a:b],
+    )
 
 
 if __name__ == "__main__":  # the torchrun worker of test_torchrun_colocated

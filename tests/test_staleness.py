@@ -15,12 +15,16 @@ FP32_LOGP_ATOL = 5e-5  # the fp32 engine against the trainer's forward (tests/te
 
 
 def test_refusals():
-    for kw, msg in ((dict(sync_every=0), "--sync-every must be >= 1"),
-                    (dict(sync_every=3, save_every=4, eval_every=6), "--save-every 4 must be a multiple of --sync-every 3"),
-                    (dict(sync_every=3, save_every=6, eval_every=4), "--eval-every 4 must be a multiple of --sync-every 3")):
+    for kw, msg in (
+        (dict(sync_every=0), "--sync-every must be >= 1"),
+        (dict(sync_every=3, save_every=4, eval_every=6), "--save-every 4 must be a multiple of --sync-every 3"),
+        (dict(sync_every=3, save_every=6, eval_every=4), "--eval-every 4 must be a multiple of --sync-every 3"),
+    ):
         with pytest.raises(ValueError, match=msg):
             resolve(Config(**kw), 1)
-    resolve(Config(sync_every=3, save_every=6, eval_every=4, eval_dtype="fp32"), 1)  # an fp32 copy evaluates the current policy
+    resolve(
+        Config(sync_every=3, save_every=6, eval_every=4, eval_dtype="fp32"), 1
+    )  # an fp32 copy evaluates the current policy
 
 
 @pytest.mark.e2e
@@ -49,7 +53,10 @@ def test_ratio_leaves_one_on_stale_steps_and_resume_is_exact(tmp_path):
     """4 steps, --sync-every 2, fp32 engine: staleness 0 1 0 1; pi_old / pi_infer stays at 1 (fp32 noise) on the fresh
     steps and leaves it on the stale ones. Stopped at step 2 (a checkpoint right after a sync) and resumed, the run
     logs what the uninterrupted one logs."""
-    cfg = lambda out, steps: small(out, steps=steps, sync_every=2, save_every=2, engine_dtype="fp32", lr=5e-3, deterministic=True)  # noqa: E731
+
+    def cfg(out, steps):
+        return small(out, steps=steps, sync_every=2, save_every=2, engine_dtype="fp32", lr=5e-3, deterministic=True)
+
     try:
         ref = main(cfg(tmp_path / "ref", 4))
         main(cfg(tmp_path / "run", 2))
@@ -60,10 +67,16 @@ def test_ratio_leaves_one_on_stale_steps_and_resume_is_exact(tmp_path):
     assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 0.0, 1.0]
     assert all(r["mismatch/ratio_max"] < 1 + 1e-4 and r["mismatch/k3"] < 1e-8 for r in steps[::2])
     assert all(r["mismatch/ratio_max"] > 1 + 1e-3 and r["mismatch/k3"] > 1e-7 for r in steps[1::2])
-    k3 = [r["mismatch/k3"] for r in steps]  # k3's trend over the steps so far (up to runlog.K3_SLOPE_WINDOW): a sawtooth here
+    k3 = [
+        r["mismatch/k3"] for r in steps
+    ]  # k3's trend over the steps so far (up to runlog.K3_SLOPE_WINDOW): a sawtooth here
     assert "mismatch/k3_slope" not in steps[0] and steps[3]["mismatch/k3_slope"] == L.window_slope(k3) > 0
-    assert all(0 < r["mismatch/ess"] <= 1 + 1e-6 and 0 < r["mismatch/seq_ess"] <= 1 + 1e-6 for r in steps)  # Cauchy-Schwarz, float32
-    no_eval = lambda rs: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rs]  # noqa: E731  (step 2 ends a run)
+    assert all(
+        0 < r["mismatch/ess"] <= 1 + 1e-6 and 0 < r["mismatch/seq_ess"] <= 1 + 1e-6 for r in steps
+    )  # Cauchy-Schwarz, float32
+
+    def no_eval(rs):
+        return [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rs]  # (step 2 ends a run)
+
     run, ref_rows = read_metrics(tmp_path / "run", volatile=False), read_metrics(tmp_path / "ref", volatile=False)
     assert no_eval(run) == no_eval(ref_rows) and run[-1] == ref_rows[-1]
-

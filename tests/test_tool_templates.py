@@ -70,7 +70,12 @@ def tokenizer(template: str, extra=()):
 
 CASES = {  # template, its extra special tokens, the stop token of a turn that calls tools, of the final answer
     "hermes": (HERMES, (), "<|im_end|>", "<|im_end|>"),
-    "glm": (GLM, ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"), "<|observation|>", "<|user|>"),
+    "glm": (
+        GLM,
+        ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"),
+        "<|observation|>",
+        "<|user|>",
+    ),
 }
 
 
@@ -79,12 +84,20 @@ def test_assembled_tool_episode_equals_the_template_render(name):
     template, extra, call_stop, answer_stop = CASES[name]
     tok = tokenizer(template, extra)
     tools = [get_json_schema(calculator)]
-    enc = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731  (the test's stand-in for sampled ids)
-    call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>' if name == "hermes"
-            else "<tool_call>calculator<arg_key>expression</arg_key><arg_value>2+3</arg_value></tool_call>")
-    turns = [(call, call_stop, [{"role": "tool", "content": "5"}, {"role": "tool", "content": "ok"}]),
-             ("Again." + call, call_stop, [{"role": "tool", "content": "5"}]),
-             ("The answer is 5.", answer_stop, None)]
+
+    def enc(s):
+        return tok(s, add_special_tokens=False).input_ids  # (the test's stand-in for sampled ids)
+
+    call = (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+        if name == "hermes"
+        else "<tool_call>calculator<arg_key>expression</arg_key><arg_value>2+3</arg_value></tool_call>"
+    )
+    turns = [
+        (call, call_stop, [{"role": "tool", "content": "5"}, {"role": "tool", "content": "ok"}]),
+        ("Again." + call, call_stop, [{"role": "tool", "content": "5"}]),
+        ("The answer is 5.", answer_stop, None),
+    ]
     ids = first_prompt_ids(tok, "What is 2+3?", tools)
     messages = [{"role": "user", "content": "What is 2+3?"}]
     for text, stop, results in turns:
@@ -98,23 +111,28 @@ def test_assembled_tool_episode_equals_the_template_render(name):
     # GLM writes no stop after the last turn (the model's <|user|> ended it)
     assert ids == (whole[:-1] if name == "hermes" else whole + [tok.convert_tokens_to_ids(answer_stop)])
     assert tok.decode(observation_ids(tok, [{"role": "tool", "content": "5"}], stop=call_stop, tools=tools)).startswith(
-        "\n<|im_start|>user\n<tool_response>\n5" if name == "hermes" else "\n<tool_response>\n5")
+        "\n<|im_start|>user\n<tool_response>\n5" if name == "hermes" else "\n<tool_response>\n5"
+    )
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused():
     """Qwen3-like: an assistant turn's <think> block is dropped once a later message follows; refused by
     check_chat_template (run_episodes calls it). The tiny model's and both templates above keep earlier turns."""
-    rewrites = ("{%- for m in messages %}{%- set c = m.content %}"
-                "{%- if m.role == 'assistant' and loop.index0 < messages|length - 1 %}{%- set c = c.split('</think>')[-1].lstrip() %}{%- endif %}"
-                "{{ '<|im_start|>' + m.role + '\n' + c + '<|im_end|>\n' }}{%- endfor %}"
-                "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}")
+    rewrites = (
+        "{%- for m in messages %}{%- set c = m.content %}"
+        "{%- if m.role == 'assistant' and loop.index0 < messages|length - 1 %}{%- set c = c.split('</think>')[-1].lstrip() %}{%- endif %}"
+        "{{ '<|im_start|>' + m.role + '\n' + c + '<|im_end|>\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+    )
     with pytest.raises(ValueError, match="rewrites an earlier assistant turn once a user message follows it"):
         check_chat_template(tokenizer(rewrites))
     for template, extra in ((HERMES, ()), (GLM, CASES["glm"][1])):
         check_chat_template(tokenizer(template, extra), [get_json_schema(calculator)])
     check_chat_template(build_tokenizer())
     glm = tokenizer(GLM, CASES["glm"][1])
-    with pytest.raises(ValueError, match=r"does not end an assistant turn with '<\|im_end\|>' \(it writes '<\|observation"):
+    with pytest.raises(
+        ValueError, match=r"does not end an assistant turn with '<\|im_end\|>' \(it writes '<\|observation"
+    ):
         observation_ids(glm, [{"role": "tool", "content": "5"}])  # GLM's tool turn ends at <|observation|>, not EOS
     hermes = tokenizer(HERMES)  # a turn that stopped at another stop token: the template's EOS follows it as usual
     assert observation_ids(hermes, "go on", stop="[") == observation_ids(hermes, "go on") != []
@@ -162,8 +180,13 @@ class ByCall:
         ids = self.tok(text, add_special_tokens=False).input_ids + [self.tok.convert_tokens_to_ids(stop)]
         assert ids[-1] in sampling.stop_token_ids
         B = len(prompt_ids)
-        return Rollout(torch.tensor([ids] * B), torch.full((B, len(ids)), -0.1), torch.ones(B, len(ids), dtype=torch.bool),
-                       [list(p) for p in prompt_ids], ["stop"] * B)
+        return Rollout(
+            torch.tensor([ids] * B),
+            torch.full((B, len(ids)), -0.1),
+            torch.ones(B, len(ids), dtype=torch.bool),
+            [list(p) for p in prompt_ids],
+            ["stop"] * B,
+        )
 
 
 def play(name, turns, env=Calc, **limits):
@@ -172,7 +195,15 @@ def play(name, turns, env=Calc, **limits):
     task = Task("t", None, None, reward_fn=exact, max_new_tokens=64)
     cls = tools.tool_env(env, name, tools.ToolLimits(**limits), max_turns=4, task=task)
     s = Sampling(max_new_tokens=64, n=1, stop_token_ids=tools.stop_ids(tok, cls))
-    ep = agent.run_episodes(ByCall(tok, turns), tok, cls, [{"prompt": "What is 2+3?", "answer": "5", "where": "row 0"}], s, max_turns=4, context_len=2048)
+    ep = agent.run_episodes(
+        ByCall(tok, turns),
+        tok,
+        cls,
+        [{"prompt": "What is 2+3?", "answer": "5", "where": "row 0"}],
+        s,
+        max_turns=4,
+        context_len=2048,
+    )
     return tok, cls, ep
 
 
@@ -182,10 +213,16 @@ def test_a_tool_episode_through_the_driver(name):
     first prompt, tool results as tool messages), model tokens alone are trained and carry log-probs, the return is the
     task's reward on the answer plus get_reward(), and the stats count calls and errors."""
     _, _, call_stop, answer_stop = CASES[name]
-    good = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>' if name == "hermes"
-            else "<tool_call>calculator<arg_key>expression</arg_key><arg_value>2+3</arg_value></tool_call>")
-    bad = ('<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call><tool_call>{oops}</tool_call>' if name == "hermes"
-           else "<tool_call>broken<arg_key>x</arg_key><arg_value>1</arg_value></tool_call><tool_call>a b</tool_call>")
+    good = (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+        if name == "hermes"
+        else "<tool_call>calculator<arg_key>expression</arg_key><arg_value>2+3</arg_value></tool_call>"
+    )
+    bad = (
+        '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call><tool_call>{oops}</tool_call>'
+        if name == "hermes"
+        else "<tool_call>broken<arg_key>x</arg_key><arg_value>1</arg_value></tool_call><tool_call>a b</tool_call>"
+    )
     tok, cls, ep = play(name, [(good, call_stop), (bad, call_stop), ("5", answer_stop)])
     assert cls.__name__ == "Calc" and [s["function"]["name"] for s in cls.tools] == ["calculator", "broken"]
     ro, msgs = ep.rollout, ep.messages[0]
@@ -197,9 +234,20 @@ def test_a_tool_episode_through_the_driver(name):
     assert row == (whole[:-1] if name == "hermes" else whole + [tok.convert_tokens_to_ids(answer_stop)])
     model = ro.mask[0][ro.attend[0]]
     sampled = sum(len(tok(t, add_special_tokens=False).input_ids) + 1 for t in (good, bad, "5"))
-    assert int(model.sum()) == sampled and (ro.infer_logp[0][ro.mask[0]] == -0.1).all() and (ro.infer_logp[0][~ro.mask[0]] == 0).all()
+    assert (
+        int(model.sum()) == sampled
+        and (ro.infer_logp[0][ro.mask[0]] == -0.1).all()
+        and (ro.infer_logp[0][~ro.mask[0]] == 0).all()
+    )
     assert ep.returns.tolist() == [1.5] and ep.turns == [3] and ep.finish == ["done"]  # exact("5") + get_reward 0.5
-    assert ep.tool_stats[0] == {**ep.tool_stats[0], "calls": 3, "errors": 2, "task_reward": 1.0, "env_reward": 0.5, "turn_limit": 0}
+    assert ep.tool_stats[0] == {
+        **ep.tool_stats[0],
+        "calls": 3,
+        "errors": 2,
+        "task_reward": 1.0,
+        "env_reward": 0.5,
+        "turn_limit": 0,
+    }
     m = agent.episode_metrics(ep)
     assert m["tool/calls_per_episode"] == 3 and m["tool/error_frac"] == pytest.approx(2 / 3) and m["tool/use_frac"] == 1
 
@@ -208,13 +256,28 @@ def test_tool_limits_and_a_hung_tool():
     """Calls over the per-turn and per-episode limits are not run and answer errors; a long answer is cut; the turn
     budget ends the episode, scored on the text outside the tool blocks; a tool past --tool-timeout stops the run
     naming it."""
-    call = lambda e: f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}</tool_call>'  # noqa: E731
-    _, _, ep = play("hermes", [(call("1+1") + call("2+2") + call("3+3"), "<|im_end|>"), (call("9**9") + call("1"), "<|im_end|>"),
-                               (call("1"), "<|im_end|>"), ("4" + call("1"), "<|im_end|>")], calls_per_turn=2, calls_per_episode=3, output_chars=4)
+
+    def call(e):
+        return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}</tool_call>'
+
+    _, _, ep = play(
+        "hermes",
+        [
+            (call("1+1") + call("2+2") + call("3+3"), "<|im_end|>"),
+            (call("9**9") + call("1"), "<|im_end|>"),
+            (call("1"), "<|im_end|>"),
+            ("4" + call("1"), "<|im_end|>"),
+        ],
+        calls_per_turn=2,
+        calls_per_episode=3,
+        output_chars=4,
+    )
     tool = [m["content"] for m in ep.messages[0] if m["role"] == "tool"]
     assert tool[:2] == ["2", "4"] and "more than 2 tool calls in one turn" in tool[2]
     assert tool[3] == "3874... (5 more characters cut)" and "3 tool calls are spent" in tool[4] and "spent" in tool[5]
-    assert ep.turns == [4] and ep.tool_stats[0]["turn_limit"] == 1 and ep.returns.tolist() == [0.5]  # "4" != "5"; used > 0
+    assert (
+        ep.turns == [4] and ep.tool_stats[0]["turn_limit"] == 1 and ep.returns.tolist() == [0.5]
+    )  # "4" != "5"; used > 0
 
     class Hangs(Calc):
         def calculator(self, expression: str) -> str:
@@ -225,7 +288,9 @@ def test_tool_limits_and_a_hung_tool():
             """
             time.sleep(30)
 
-    with pytest.raises(RuntimeError, match=r"Hangs\.calculator \(a tool\) did not return within 0\.2 s \(--tool-timeout\)"):
+    with pytest.raises(
+        RuntimeError, match=r"Hangs\.calculator \(a tool\) did not return within 0\.2 s \(--tool-timeout\)"
+    ):
         play("hermes", [(call("1"), "<|im_end|>")], env=Hangs, timeout=0.2)
 
 
@@ -245,11 +310,20 @@ class Bisect:
             for g, o in pairs:
                 lo, hi = (lo, g - 1) if o == "<" else (g + 1, hi) if o == ">" else (g, g)
             g = (lo + hi) // 2
-            text = str(g) if not self.tool or (pairs and pairs[-1][1] == "=") else f'<tool_call>{{"name": "guess", "arguments": {{"n": {g}}}}}</tool_call>'
+            text = (
+                str(g)
+                if not self.tool or (pairs and pairs[-1][1] == "=")
+                else f'<tool_call>{{"name": "guess", "arguments": {{"n": {g}}}}}</tool_call>'
+            )
             outs.append(self.tok(text, add_special_tokens=False).input_ids + [self.tok.eos_token_id])
         T = max(map(len, outs))
-        return Rollout(torch.tensor([o + [0] * (T - len(o)) for o in outs]), torch.zeros(len(outs), T),
-                       torch.tensor([[True] * len(o) + [False] * (T - len(o)) for o in outs]), [list(p) for p in prompt_ids], ["stop"] * len(outs))
+        return Rollout(
+            torch.tensor([o + [0] * (T - len(o)) for o in outs]),
+            torch.zeros(len(outs), T),
+            torch.tensor([[True] * len(o) + [False] * (T - len(o)) for o in outs]),
+            [list(p) for p in prompt_ids],
+            ["stop"] * len(outs),
+        )
 
 
 def test_guess_as_a_tool_environment_has_the_text_form_s_structure():
@@ -262,13 +336,22 @@ def test_guess_as_a_tool_environment_has_the_text_form_s_structure():
     tool_cls = tools.tool_env(GuessTools, "hermes", max_turns=5, task=guess_task())
     tool = agent.run_episodes(Bisect(tok, True), tok, tool_cls, rows, s, max_turns=5, context_len=2048)
     assert 0 < sum(text.returns) < len(rows)  # some found within 4 guesses, some not
-    for e, (a, b) in enumerate(zip(text.messages, tool.messages)):  # text: guesses g1..gk, answers to g1..g(k-1) (gk won or hit the budget)
+    for e, (a, b) in enumerate(
+        zip(text.messages, tool.messages)
+    ):  # text: guesses g1..gk, answers to g1..g(k-1) (gk won or hit the budget)
         obs_a, obs_b = [m["content"] for m in a[2::2]], [m["content"] for m in b[2::2]]
-        guesses = lambda ms: [int(re.findall(r"\d+", m["content"])[-1]) for m in ms[1::2]]  # noqa: E731
+
+        def guesses(ms):
+            return [int(re.findall(r"\d+", m["content"])[-1]) for m in ms[1::2]]
+
         k = len(guesses(a))
-        assert obs_b[:-1] == obs_a and len(obs_b) == k and guesses(b)[:k] == guesses(a)  # tool: gk answered too ("=" if won)
+        assert (
+            obs_b[:-1] == obs_a and len(obs_b) == k and guesses(b)[:k] == guesses(a)
+        )  # tool: gk answered too ("=" if won)
         assert [m["role"] for m in b[2::2]] == ["tool"] * k and (obs_b[-1] == "=") == bool(text.returns[e])
-    assert text.returns.tolist() == tool.returns.tolist() and [t + 1 for t in text.turns] == tool.turns  # + the answer turn
+    assert (
+        text.returns.tolist() == tool.returns.tolist() and [t + 1 for t in text.turns] == tool.turns
+    )  # + the answer turn
 
 
 def test_a_skyrl_gym_environment_through_its_adapter(tmp_path):
@@ -287,7 +370,8 @@ def test_a_skyrl_gym_environment_through_its_adapter(tmp_path):
         "        ok = action.strip() == str(self.n - self.turns)\n"
         "        done = not ok or self.n - self.turns == 0\n"
         "        obs = [] if done else [{'role': 'user', 'content': 'next'}]\n"
-        "        return BaseTextEnvStepOutput(observations=obs, reward=float(ok), done=done, metadata={})\n")
+        "        return BaseTextEnvStepOutput(observations=obs, reward=float(ok), done=done, metadata={})\n"
+    )
     env = agent.load_env(f"{tmp_path}/countdown.py:Countdown")
     assert env.__name__ == "Countdown" and callable(env.reset)
     tok = build_tokenizer()
@@ -297,10 +381,23 @@ def test_a_skyrl_gym_environment_through_its_adapter(tmp_path):
         def generate(self, prompt_ids, sampling):
             k = tok.decode(prompt_ids[0]).count("<|im_start|>assistant") - 1
             ids = tok(texts[k], add_special_tokens=False).input_ids + [tok.eos_token_id]
-            return Rollout(torch.tensor([ids]), torch.zeros(1, len(ids)), torch.ones(1, len(ids), dtype=torch.bool), [list(prompt_ids[0])], ["stop"])
+            return Rollout(
+                torch.tensor([ids]),
+                torch.zeros(1, len(ids)),
+                torch.ones(1, len(ids), dtype=torch.bool),
+                [list(prompt_ids[0])],
+                ["stop"],
+            )
 
-    ep = agent.run_episodes(Says(), tok, env, [{"prompt": "count down from 3", "answer": "3"}], Sampling(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,)),
-                            max_turns=6, context_len=256)
+    ep = agent.run_episodes(
+        Says(),
+        tok,
+        env,
+        [{"prompt": "count down from 3", "answer": "3"}],
+        Sampling(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,)),
+        max_turns=6,
+        context_len=256,
+    )
     assert ep.returns.tolist() == [3.0] and ep.turns == [3] and ep.finish == ["done"]
     assert [m["content"] for m in ep.messages[0]] == ["count down from 3", "2", "next", "1", "next", "0"]
 
@@ -309,7 +406,9 @@ def calc_episodes(engine, tok, n=2):
     task = calc_task()
     env = tools.tool_env(task.env, max_turns=task.max_turns, task=task)
     s = Sampling(max_new_tokens=task.max_new_tokens, n=n, seed=5, stop_token_ids=tools.stop_ids(tok, env))
-    return agent.run_episodes(engine, tok, env, task.test.to_list()[:24], s, max_turns=task.max_turns, context_len=256), s
+    return agent.run_episodes(
+        engine, tok, env, task.test.to_list()[:24], s, max_turns=task.max_turns, context_len=256
+    ), s
 
 
 def test_calc_demonstrations_call_at_their_rate_and_copy_exactly():
@@ -324,7 +423,9 @@ def test_calc_demonstrations_call_at_their_rate_and_copy_exactly():
             text, model_text = tok.decode(ids), tok.decode([t for t, m in zip(ids, trained) if m])
             call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{row["prompt"]}"}}}}</tool_call>'
             assert (call in model_text) == (p_tool == 1.0) and model_text.endswith(row["answer"] + "<|im_end|>")
-            assert model_text.count(row["answer"]) == 1 and text.count(row["answer"]) == 1 + (p_tool == 1.0)  # the tool's message, untrained
+            assert model_text.count(row["answer"]) == 1 and text.count(row["answer"]) == 1 + (
+                p_tool == 1.0
+            )  # the tool's message, untrained
     calls = sum("<tool_call>" in tok.decode(ids) for ids, _ in calc_pool(tok, rows, 0.3))
     assert abs(calls / len(rows) - 0.3) < 4 * (0.3 * 0.7 / len(rows)) ** 0.5
 

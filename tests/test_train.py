@@ -77,7 +77,9 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch)
     the run stops with a clear message after max_bad_steps in a row, before any checkpoint is written."""
     import evaluation
 
-    huge = lambda task, completions, columns: Scores.of(torch.tensor([3e38 if i % 2 else -3e38 for i in range(len(completions))]))  # noqa: E731
+    def huge(task, completions, columns):
+        return Scores.of(torch.tensor([3e38 if i % 2 else -3e38 for i in range(len(completions))]))
+
     monkeypatch.setattr(evaluation, "score", huge)
     with pytest.raises(RuntimeError, match="2 consecutive policy updates had a non-finite loss or gradient"):
         main(small(tmp_path, algo="grpo", grpo_std=False, steps=5, max_bad_steps=2, eval_size=8))
@@ -94,7 +96,11 @@ def _critic_attention_frozen(out):
     critic = load_file(out / "checkpoints" / "step_000001" / "critic" / "model.safetensors")
     attn = [k for k in critic if ".self_attn." in k]
     mlp = [k for k in critic if ".mlp." in k]
-    return attn and all(torch.equal(critic[k], start[k]) for k in attn) and all(not torch.equal(critic[k], start[k]) for k in mlp)
+    return (
+        attn
+        and all(torch.equal(critic[k], start[k]) for k in attn)
+        and all(not torch.equal(critic[k], start[k]) for k in mlp)
+    )
 
 
 def _first_sample(out):
@@ -104,24 +110,50 @@ def _first_sample(out):
 
 # Each switch of the recipe, one step through the whole loop, and what it does that the default run does not.
 OPTIONS = {
-    "tis": (dict(correction="tis"), lambda row, out: "tis/clip_frac" in row and not any(k.startswith("icepop/") for k in row)),
-    "geo": (dict(correction="geo"), lambda row, out: "geo/seq_masked_frac" in row and not any(k.startswith("icepop/") for k in row)),
-    "dis": (dict(correction="dis"), lambda row, out: "dis/masked_frac" in row and "ppo/clipfrac" not in row),  # DIS replaces PPO-clip
-    "none-drop-masked": (dict(correction="none", drop_masked_from_denominator=True), lambda row, out: _no_correction(row)),
+    "tis": (
+        dict(correction="tis"),
+        lambda row, out: "tis/clip_frac" in row and not any(k.startswith("icepop/") for k in row),
+    ),
+    "geo": (
+        dict(correction="geo"),
+        lambda row, out: "geo/seq_masked_frac" in row and not any(k.startswith("icepop/") for k in row),
+    ),
+    "dis": (
+        dict(correction="dis"),
+        lambda row, out: "dis/masked_frac" in row and "ppo/clipfrac" not in row,
+    ),  # DIS replaces PPO-clip
+    "none-drop-masked": (
+        dict(correction="none", drop_masked_from_denominator=True),
+        lambda row, out: _no_correction(row),
+    ),
     "k1-reward": (dict(kl="k1-reward"), lambda row, out: "ppo/kl_ref" not in row),  # a reward penalty, not a loss term
     "k3-loss-seq-mean": (dict(kl="k3-loss", agg="seq-mean-token-mean"), lambda row, out: row["ppo/kl_ref"] >= 0),
     # 2 epochs x 2 minibatches: every minibatch after the first is off-policy (a single update has ratio 1 throughout)
-    "vapo-lambda-dual-clip-epochs": (dict(adaptive_lambda=0.05, dual_clip=3.0, ppo_epochs=2, minibatches=2),
-                                     lambda row, out: row["ppo/approx_kl"] > 0 and "ppo/dual_clipfrac" in row),
+    "vapo-lambda-dual-clip-epochs": (
+        dict(adaptive_lambda=0.05, dual_clip=3.0, ppo_epochs=2, minibatches=2),
+        lambda row, out: row["ppo/approx_kl"] > 0 and "ppo/dual_clipfrac" in row,
+    ),
     # A coarser engine shows in the mismatch. The default model's build differs across CPUs, and so do these k3 figures:
     # bf16 measured 2.7e-4 on one and 1.2e-4 on another, fp8 5.3e-3 and 8.8e-4, int4 + an fp8 KV cache 2.5e-2 and
     # 3.1e-3; a band of +-10% masks some of int4's tokens (bf16: none).
-    "dr-grpo-fp8": (dict(algo="grpo", grpo_std=False, agg="seq-mean-token-sum-norm", engine_dtype="fp8"),
-                    lambda row, out: "grpo/identical_reward_frac" in row and "critic/value_loss" not in row and row["mismatch/k3"] > 4e-4),
-    "frozen-critic-attention-top-p": (dict(freeze_critic_attention=True, top_p=0.9), lambda row, out: _critic_attention_frozen(out)),
-    "sort-micro-batch": (dict(task="sort", rollout_batch=8, micro_batch=4), lambda row, out: _first_sample(out)["prompt"].startswith("sort: ")),
-    "int4-fp8-kv-fp32-eval": (dict(engine_dtype="int4", kv_cache_dtype="fp8", eval_dtype="fp32", icepop_low=0.9, icepop_high=1.1),
-                              lambda row, out: row["mismatch/k3"] > 1e-3 and row["mismatch/masked_frac"] > 0),
+    "dr-grpo-fp8": (
+        dict(algo="grpo", grpo_std=False, agg="seq-mean-token-sum-norm", engine_dtype="fp8"),
+        lambda row, out: (
+            "grpo/identical_reward_frac" in row and "critic/value_loss" not in row and row["mismatch/k3"] > 4e-4
+        ),
+    ),
+    "frozen-critic-attention-top-p": (
+        dict(freeze_critic_attention=True, top_p=0.9),
+        lambda row, out: _critic_attention_frozen(out),
+    ),
+    "sort-micro-batch": (
+        dict(task="sort", rollout_batch=8, micro_batch=4),
+        lambda row, out: _first_sample(out)["prompt"].startswith("sort: "),
+    ),
+    "int4-fp8-kv-fp32-eval": (
+        dict(engine_dtype="int4", kv_cache_dtype="fp8", eval_dtype="fp32", icepop_low=0.9, icepop_high=1.1),
+        lambda row, out: row["mismatch/k3"] > 1e-3 and row["mismatch/masked_frac"] > 0,
+    ),
 }
 
 
@@ -154,7 +186,9 @@ def test_critic_pretraining_trains_only_the_critic_before_step_1(tmp_path):
     assert all(r["step"] == 0 and "ppo/grad_norm" not in r and "critic/value_loss" in r for r in pre)
     assert hist[-1]["step"] == 1 and "ppo/grad_norm" in hist[-1] and "critic/ev_pos_0" in hist[-1]
     # The policy saved when pretraining ends is the start model, bit for bit.
-    start = load_file(os.path.join(json.load(open(tmp_path / "config.json"))["config"]["model_path"], "model.safetensors"))
+    start = load_file(
+        os.path.join(json.load(open(tmp_path / "config.json"))["config"]["model_path"], "model.safetensors")
+    )
     after = load_file(tmp_path / "checkpoints" / "step_000000" / "policy" / "model.safetensors")
     assert start.keys() == after.keys() and all(torch.equal(start[k], after[k]) for k in start)
     # Resuming with more steps continues RL; pretraining is not redone.
@@ -186,7 +220,18 @@ def test_short_run_improves_reward(tmp_path, algo, steps):
     +14.4 / +9.2). PPO's rollout reward (64 prompts a step) rises from the critic-pretraining steps (the start policy)
     to the last 8 steps; GRPO's (8 prompts of 8 samples a step) moves by less than its noise in 40 steps, so it is
     not tested here."""
-    hist = main(small(tmp_path, algo=algo, steps=steps, rollout_batch=64, eval_every=steps, eval_size=500, save_every=steps, critic_pretrain=10))
+    hist = main(
+        small(
+            tmp_path,
+            algo=algo,
+            steps=steps,
+            rollout_batch=64,
+            eval_every=steps,
+            eval_size=500,
+            save_every=steps,
+            critic_pretrain=10,
+        )
+    )
     first, last = hist[0], hist[-1]
     assert last["eval/greedy_acc"] > first["eval/greedy_acc"] + 0.08, (first, last)
     assert last["eval/sampled_acc"] > first["eval/sampled_acc"] + 0.03, (first, last)
@@ -202,7 +247,9 @@ def test_short_run_improves_reward(tmp_path, algo, steps):
 
     from value_model import load_critic
 
-    assert AutoModelForCausalLM.from_pretrained(ckpt / "policy").config.vocab_size >= len(AutoTokenizer.from_pretrained(ckpt / "policy"))
+    assert AutoModelForCausalLM.from_pretrained(ckpt / "policy").config.vocab_size >= len(
+        AutoTokenizer.from_pretrained(ckpt / "policy")
+    )
     if algo == "ppo":
         assert load_critic(str(ckpt / "critic")).score.out_features == 1
 
@@ -211,8 +258,21 @@ def test_short_run_improves_reward(tmp_path, algo, steps):
 
 
 _run = start_train
-SIGKILL_ARGS = ["--steps", "6", "--save-every", "2", "--eval-every", "3", "--eval-size", "32", "--rollout-batch", "32",
-                "--critic-pretrain", "3", "--deterministic"]
+SIGKILL_ARGS = [
+    "--steps",
+    "6",
+    "--save-every",
+    "2",
+    "--eval-every",
+    "3",
+    "--eval-size",
+    "32",
+    "--rollout-batch",
+    "32",
+    "--critic-pretrain",
+    "3",
+    "--deterministic",
+]
 
 
 @pytest.fixture(scope="module")
@@ -276,8 +336,14 @@ def test_response_only_logprobs_equal_full_logits(tiny_policy):
     cfg, rows_ = Config(temperature=0.8, top_p=0.9), torch.arange(3)
     w = torch.randn(tokens.shape)
     P = b.response_start
-    full = L.token_logprobs(model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits[:, P - 1 : -1],
-                            tokens, 0.8, top_p=0.9)
+    full = L.token_logprobs(
+        model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits[
+            :, P - 1 : -1
+        ],
+        tokens,
+        0.8,
+        top_p=0.9,
+    )
     (full * mask * w).sum().backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -306,7 +372,9 @@ def test_shared_prefix_equals_padded_rows(tiny_policy, tiny_model_dir):
     attend = torch.arange(7)[None] < lengths[:, None]
     mask = attend.clone()
     mask[0, 2:4] = mask[4, 1] = False  # observation tokens: attended, not trained
-    ro = Rollout(tokens, torch.zeros(2 * n, 7), mask, [p for p in prompts for _ in range(n)], ["stop"] * 2 * n, attend=attend)
+    ro = Rollout(
+        tokens, torch.zeros(2 * n, 7), mask, [p for p in prompts for _ in range(n)], ["stop"] * 2 * n, attend=attend
+    )
     plain, shared = ro.to_batch(), ro.to_batch().shared(n)
     assert shared.input_ids.shape == (2, plain.response_start + n * 7)
     cfg, rows_, w = Config(), torch.arange(2 * n), torch.randn(tokens.shape, generator=g)
@@ -316,17 +384,30 @@ def test_shared_prefix_equals_padded_rows(tiny_policy, tiny_model_dir):
         logp, ent = response_logprobs(policy, b, rows_, tokens, cfg, entropy=True)
         values = response_values(critic, b, rows_, cfg)
         ((logp + values) * mask * w).sum().backward()
-        outs.append([logp[mask], ent[mask], values[attend]] + [p.grad.clone() for m in (policy, critic) for p in m.parameters() if p.grad is not None])
+        outs.append(
+            [logp[mask], ent[mask], values[attend]]
+            + [p.grad.clone() for m in (policy, critic) for p in m.parameters() if p.grad is not None]
+        )
     assert len(outs[0]) == len(outs[1])
-    for i, (a, b) in enumerate(zip(*outs)):  # outputs to fp32 rounding; gradients (sums over the tokens) relative to their size
+    for i, (a, b) in enumerate(
+        zip(*outs)
+    ):  # outputs to fp32 rounding; gradients (sums over the tokens) relative to their size
         atol = 1e-6 if i < 3 else 1e-5 * a.abs().max().item()
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=atol, msg=lambda m: f"output {i} ({tuple(a.shape)}, max {a.abs().max():.3g}): {m}")
+        torch.testing.assert_close(
+            b, a, rtol=1e-5, atol=atol, msg=lambda m: f"output {i} ({tuple(a.shape)}, max {a.abs().max():.3g}): {m}"
+        )
     with torch.no_grad():  # a micro-batch of the second group only
         one = torch.arange(n, 2 * n)
-        torch.testing.assert_close(response_logprobs(policy, shared, one, tokens, cfg)[0][mask[one]],
-                                   response_logprobs(policy, plain, one, tokens, cfg)[0][mask[one]], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            response_logprobs(policy, shared, one, tokens, cfg)[0][mask[one]],
+            response_logprobs(policy, plain, one, tokens, cfg)[0][mask[one]],
+            rtol=1e-5,
+            atol=1e-6,
+        )
     with pytest.raises(ValueError, match="not groups of 3"):
-        Rollout(tokens, torch.zeros(2 * n, 7), mask, prompts * n, ["stop"] * 2 * n).to_batch().shared(n)  # p0 p1 p0 ...: mixed groups
+        Rollout(tokens, torch.zeros(2 * n, 7), mask, prompts * n, ["stop"] * 2 * n).to_batch().shared(
+            n
+        )  # p0 p1 p0 ...: mixed groups
     with pytest.raises(ValueError, match="not whole groups of 3"):
         response_logprobs(policy, shared, torch.arange(1, 4), tokens, cfg)
 
@@ -337,7 +418,9 @@ def test_model_with_logit_softcap_is_refused(tiny_policy):
     model = tiny_policy
     check_head(model)
     forward = model.forward
-    model.forward = lambda **kw: type(out := forward(**kw))(logits=30 * torch.tanh(out.logits / 30))  # a Gemma-2-style softcap
+    model.forward = lambda **kw: type(out := forward(**kw))(
+        logits=30 * torch.tanh(out.logits / 30)
+    )  # a Gemma-2-style softcap
     with pytest.raises(ValueError, match="post-processes"):
         check_head(model)
 
@@ -347,15 +430,24 @@ def test_bf16_training_tracks_fp32(tmp_path):
     """--train-dtype bf16 (autocast over fp32 master weights) tracks the fp32 trainer over 2 steps, and the mismatch
     metrics still compare the engine with the trainer: against an fp32 engine, fp32 training reads k3 ~ 0 and bf16
     training a small positive k3 (its own rounding)."""
-    runs = {dt: main(small(tmp_path / dt, train_dtype=dt, engine_dtype="fp32", rollout_batch=32)) for dt in ("fp32", "bf16")}
+    runs = {
+        dt: main(small(tmp_path / dt, train_dtype=dt, engine_dtype="fp32", rollout_batch=32)) for dt in ("fp32", "bf16")
+    }
     a, b = runs["fp32"][1], runs["bf16"][1]  # step 1: the same rollouts (same start weights and seeds)
     assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
     assert b["critic/value_loss"] == pytest.approx(a["critic/value_loss"], rel=0.01)
-    assert b["ppo/grad_norm"] == pytest.approx(a["ppo/grad_norm"], rel=0.05) and b["critic/grad_norm"] == pytest.approx(a["critic/grad_norm"], rel=0.05)
+    assert b["ppo/grad_norm"] == pytest.approx(a["ppo/grad_norm"], rel=0.05) and b["critic/grad_norm"] == pytest.approx(
+        a["critic/grad_norm"], rel=0.05
+    )
     assert a["mismatch/k3"] < 1e-9 and 1e-7 < b["mismatch/k3"] < 1e-2
     # After 2 updates the bf16 weights sit close to the fp32 ones, relative to how far training moved them.
-    start = load_file(os.path.join(json.load(open(tmp_path / "fp32" / "config.json"))["config"]["model_path"], "model.safetensors"))
-    wa, wb = (load_file(tmp_path / dt / "checkpoints" / "step_000002" / "policy" / "model.safetensors") for dt in ("fp32", "bf16"))
+    start = load_file(
+        os.path.join(json.load(open(tmp_path / "fp32" / "config.json"))["config"]["model_path"], "model.safetensors")
+    )
+    wa, wb = (
+        load_file(tmp_path / dt / "checkpoints" / "step_000002" / "policy" / "model.safetensors")
+        for dt in ("fp32", "bf16")
+    )
     moved = sum((wa[k] - start[k]).norm() ** 2 for k in wa) ** 0.5
     apart = sum((wb[k] - wa[k]).norm() ** 2 for k in wa) ** 0.5
     assert apart < 0.25 * moved, (apart.item(), moved.item())
@@ -368,11 +460,20 @@ def _final_weights(out_dir):
     return load_file(os.path.join(out_dir, "checkpoints", "step_000001", "policy", "model.safetensors"))
 
 
-MODES = {"dp2": (2, []), "tp2-dp2-fsdp": (4, ["--tp", "2", "--fsdp"]),
-         "2-nodes-fsdp": (1, ["--fsdp"]),  # two torchrun agents (--nnodes 2) of one process each, meeting at a local c10d endpoint
-         "tp2-grpo-shared-prefix": (2, ["--tp", "2", "--algo", "grpo"]),  # against a single process without shared prefixes
-         "tp2-moe-replay": (2, ["--tp", "2", "--tiny", "moe", "--routing-replay"])}  # experts per rank, replayed routing
-SINGLE = {"tp2-grpo-shared-prefix": ["--algo", "grpo", "--no-shared-prefix"], "tp2-moe-replay": ["--tiny", "moe", "--routing-replay"]}
+MODES = {
+    "dp2": (2, []),
+    "tp2-dp2-fsdp": (4, ["--tp", "2", "--fsdp"]),
+    "2-nodes-fsdp": (
+        1,
+        ["--fsdp"],
+    ),  # two torchrun agents (--nnodes 2) of one process each, meeting at a local c10d endpoint
+    "tp2-grpo-shared-prefix": (2, ["--tp", "2", "--algo", "grpo"]),  # against a single process without shared prefixes
+    "tp2-moe-replay": (2, ["--tp", "2", "--tiny", "moe", "--routing-replay"]),
+}  # experts per rank, replayed routing
+SINGLE = {
+    "tp2-grpo-shared-prefix": ["--algo", "grpo", "--no-shared-prefix"],
+    "tp2-moe-replay": ["--tiny", "moe", "--routing-replay"],
+}
 
 
 def _torchrun(mode, args, timeout=600):
@@ -386,14 +487,52 @@ def _torchrun(mode, args, timeout=600):
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node", "1",
-                               "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "test", "train_ppo.py", *args, *extra],
-                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(i),
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv_id",
+                "test",
+                "train_ppo.py",
+                *args,
+                *extra,
+            ],
+            cwd=REPO,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [n.communicate(timeout=timeout)[0] for n in nodes]
     return max(abs(n.returncode) for n in nodes), "\n".join(outs)
 
 
-STEP_ARGS = ["--steps", "1", "--critic-pretrain", "0", "--eval-size", "32", "--engine-dtype", "fp32", "--micro-batch", "8"]
+STEP_ARGS = [
+    "--steps",
+    "1",
+    "--critic-pretrain",
+    "0",
+    "--eval-size",
+    "32",
+    "--engine-dtype",
+    "fp32",
+    "--micro-batch",
+    "8",
+]
 # No separate tp=2 or dp=2-with-FSDP launch: both run inside tp2-dp2-fsdp's (TP-sharded policy and critic, FSDP over dp),
 # the world-2 FSDP step again in 2-nodes-fsdp's, and every metric under TP in the two tp2 modes.
 EQUIVALENCE = ["dp2", "tp2-dp2-fsdp", "2-nodes-fsdp", "tp2-grpo-shared-prefix", "tp2-moe-replay"]
@@ -411,6 +550,7 @@ def single_process(tmp_path_factory):
             assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
             done[tuple(extra)] = out
         return done[tuple(extra)]
+
     return run
 
 
@@ -429,9 +569,19 @@ def test_torchrun_step_equals_single_process(tmp_path, mode, single_process):
     # TP peers see the same rows, so every metric matches. Data-parallel ranks average their local means,
     # which equal the global ones only for per-row quantities and for the norms of the reduced gradients.
     # (train/tokens_per_pass counts the tokens a pass computes: fewer with shared prefixes, by design)
-    exact = [k for k in a if k not in ("step", "train/tokens_per_pass")] if mode.startswith("tp2") and "dp2" not in mode else [
-        "rollout/reward_mean", "rollout/response_len_mean", "rollout/truncated_frac", "eval/greedy_acc", "eval/sampled_acc",
-        "ppo/grad_norm", "critic/grad_norm"]
+    exact = (
+        [k for k in a if k not in ("step", "train/tokens_per_pass")]
+        if mode.startswith("tp2") and "dp2" not in mode
+        else [
+            "rollout/reward_mean",
+            "rollout/response_len_mean",
+            "rollout/truncated_frac",
+            "eval/greedy_acc",
+            "eval/sampled_acc",
+            "ppo/grad_norm",
+            "critic/grad_norm",
+        ]
+    )
     for k in exact:
         # fp32 noise (1e-6) shows in the mismatch metrics, and can move a token across a clip boundary.
         assert b[k] == pytest.approx(a[k], rel=1e-3, abs=5e-3 if "frac" in k else 1e-5), k
@@ -442,14 +592,21 @@ def test_torchrun_step_equals_single_process(tmp_path, mode, single_process):
     # almost never chosen: measured 0.004 lr, differing by up to 0.025 lr); they are held to the max bound only.
     lr = Config().lr
     wa, wb = _final_weights(single), _final_weights(tmp_path / "par")
-    start = load_file(os.path.join(json.load(open(single / "config.json"))["config"]["model_path"], "model.safetensors"))
+    start = load_file(
+        os.path.join(json.load(open(single / "config.json"))["config"]["model_path"], "model.safetensors")
+    )
     assert wa.keys() == wb.keys()
     n_moved = 0
     for name in wa:
         diff, moved = (wb[name] - wa[name]).abs(), (wa[name] - start[name]).abs() > 0.5 * lr
-        assert diff.max() <= 0.3 * lr and (diff[moved] > 0.01 * lr).sum() <= 1e-3 * moved.sum(), (name, diff.max().item())
+        assert diff.max() <= 0.3 * lr and (diff[moved] > 0.01 * lr).sum() <= 1e-3 * moved.sum(), (
+            name,
+            diff.max().item(),
+        )
         n_moved += int(moved.sum())
-    assert n_moved > 0.5 * sum(w.numel() for w in wa.values())  # most weights took a full step: the check is not vacuous
+    assert n_moved > 0.5 * sum(
+        w.numel() for w in wa.values()
+    )  # most weights took a full step: the check is not vacuous
 
 
 @pytest.mark.e2e
@@ -457,7 +614,9 @@ def test_torchrun_step_equals_single_process(tmp_path, mode, single_process):
 def test_sglang_engine_end_to_end(tmp_path):
     """The whole loop with SGLang as the rollout engine (CPU mode): it generates, trains, syncs weights, and in
     fp32 its log-probs agree with the trainer's (no IcePop masking)."""
-    hist = main(small(tmp_path, engine="sglang", engine_dtype="fp32", steps=3, eval_every=3, eval_size=32, rollout_batch=32))
+    hist = main(
+        small(tmp_path, engine="sglang", engine_dtype="fp32", steps=3, eval_every=3, eval_size=32, rollout_batch=32)
+    )
     assert [r["step"] for r in hist] == [0, 1, 2, 3]
     for row in hist[1:]:
         assert row["mismatch/abs_diff_max"] < 1e-3 and row["mismatch/masked_frac"] == 0
@@ -470,9 +629,25 @@ def test_sharded_resume_equals_uninterrupted(tmp_path):
     """Resume under tensor parallelism and FSDP at once (tp=2 x dp=2): optimizer states sharded over both mesh
     dimensions go back into DTensors of the same placements (runlog._load_optimizer_state, one path for TP, FSDP and
     both), and a run stopped at step 2 and resumed to step 3 logs what an uninterrupted run with the same launch logs."""
+
     def launch(out, steps):
-        args = ["--steps", str(steps), "--save-every", "2", "--eval-every", "3", "--eval-size", "16", "--rollout-batch", "16",
-                "--critic-pretrain", "0", "--deterministic", "--out-dir", str(out)]
+        args = [
+            "--steps",
+            str(steps),
+            "--save-every",
+            "2",
+            "--eval-every",
+            "3",
+            "--eval-size",
+            "16",
+            "--rollout-batch",
+            "16",
+            "--critic-pretrain",
+            "0",
+            "--deterministic",
+            "--out-dir",
+            str(out),
+        ]
         rc, out = _torchrun("tp2-dp2-fsdp", args)
         assert rc == 0, out[-6000:]
         return out
@@ -480,7 +655,10 @@ def test_sharded_resume_equals_uninterrupted(tmp_path):
     launch(tmp_path / "ref", 3)
     launch(tmp_path / "run", 2)
     assert "resuming at step 2" in launch(tmp_path / "run", 3)
+
     # The first launch also evaluated at its last step (2); apart from that, every logged figure matches.
-    no_eval = lambda rs: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rs]  # noqa: E731
+    def no_eval(rs):
+        return [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rs]
+
     run, ref = rows(tmp_path / "run"), rows(tmp_path / "ref")
     assert no_eval(run) == no_eval(ref) and run[-1] == ref[-1]

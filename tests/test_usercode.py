@@ -71,15 +71,28 @@ def slow_on_b(completions, **_):
     return [1.0] * len(completions)
 
 
-@pytest.mark.parametrize("fn,msg", [
-    (sleepy, r"reward function sleepy did not return within 1 s \(--user-timeout\) on a batch of 2 samples; alone, sample 0 "
-             r"\(completion 'a', answer 'a0'\) was still running when one more 1 s ran out"),
-    (spinning, r"reward function spinning did not return within 1 s \(--user-timeout\) on a batch of 2 samples"),
-    (slow_on_b, r"slow_on_b did not return within 1 s .* on a batch of 2 samples; alone, sample 1 \(completion 'b'"),
-    (exits, r"reward function exits called sys.exit\(0\) \(user code must return or raise an Exception.*\) on sample 0 "
-            r"\(completion 'a', answer 'a0'\)"),
-    (exits_on_b, r"exits_on_b called sys.exit\(2\) .* on sample 1 \(completion 'b', answer 'a1'\)"),
-], ids=lambda x: getattr(x, "__name__", ""))
+@pytest.mark.parametrize(
+    "fn,msg",
+    [
+        (
+            sleepy,
+            r"reward function sleepy did not return within 1 s \(--user-timeout\) on a batch of 2 samples; alone, sample 0 "
+            r"\(completion 'a', answer 'a0'\) was still running when one more 1 s ran out",
+        ),
+        (spinning, r"reward function spinning did not return within 1 s \(--user-timeout\) on a batch of 2 samples"),
+        (
+            slow_on_b,
+            r"slow_on_b did not return within 1 s .* on a batch of 2 samples; alone, sample 1 \(completion 'b'",
+        ),
+        (
+            exits,
+            r"reward function exits called sys.exit\(0\) \(user code must return or raise an Exception.*\) on sample 0 "
+            r"\(completion 'a', answer 'a0'\)",
+        ),
+        (exits_on_b, r"exits_on_b called sys.exit\(2\) .* on sample 1 \(completion 'b', answer 'a1'\)"),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
 def test_reward_that_hangs_spins_or_exits_is_an_error_naming_it(fn, msg):
     t = time.monotonic()
     with pytest.raises(RuntimeError, match=msg):
@@ -96,12 +109,15 @@ def test_reward_gets_copies():
 
     texts, c = ["a", "b"], cols()
     assert score(task(vandal), texts, c).rewards.tolist() == [1.0, 1.0]
-    assert texts == ["a", "b"] and c == cols()  # what the samples file records (evaluation.scored's texts) is the model's
+    assert (
+        texts == ["a", "b"] and c == cols()
+    )  # what the samples file records (evaluation.scored's texts) is the model's
 
 
 def test_reward_limit_zero_runs_in_this_thread_and_a_signal_using_reward_is_told_why():
     """Code that sets signals (math-verify's own timeouts) cannot run in the worker thread: the message says what to do;
     with --user-timeout 0 it runs in the main thread."""
+
     def signals(completions, **_):
         import signal
 
@@ -133,7 +149,7 @@ def test_built_in_math_reward_runs_with_a_limit_and_counts_its_timeouts(monkeypa
     assert [g["score"] for g in got] == [1.0, 1.0, 0.0] and [g["math_timeout"] for g in got] == [0.0, 0.0, 1.0]
 
 
-BAD_SIGNATURES = '''
+BAD_SIGNATURES = """
 def no_prompts(completions, answer):
     return [0.0] * len(completions)
 
@@ -151,21 +167,28 @@ def keyword_only(*, completions, prompts, answer):
 
 def fine(completions, prompts, answer, difficulty):
     return [0.0] * len(completions)
-'''
+"""
 
 
 def test_reward_signature_is_checked_against_the_data_before_any_model(tmp_path, monkeypatch):
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(f'{{"prompt": "{i:03d}+001", "answer": "{i + 1:04d}", "difficulty": {i % 3}}}\n' for i in range(20)))
+    data.write_text(
+        "".join(f'{{"prompt": "{i:03d}+001", "answer": "{i + 1:04d}", "difficulty": {i % 3}}}\n' for i in range(20))
+    )
     f = tmp_path / "r.py"
     f.write_text(BAD_SIGNATURES)
-    for name, msg in [("no_prompts", "it has no parameter 'prompts' and no \\*\\*kwargs"),
-                      ("no_kwargs", "it has no parameter 'difficulty' and no \\*\\*kwargs"),
-                      ("positional_prompts", "'prompts' parameter is positional only"),
-                      ("needs_level", "it needs 'level', which is no column of the data"),
-                      ("keyword_only", "it takes no positional argument")]:
-        with pytest.raises(ValueError, match=rf"--reward: the reward function {name} cannot take what score passes it, "
-                                             rf"{name}\(completions, prompts=, answer=, difficulty=\): {msg}"):
+    for name, msg in [
+        ("no_prompts", "it has no parameter 'prompts' and no \\*\\*kwargs"),
+        ("no_kwargs", "it has no parameter 'difficulty' and no \\*\\*kwargs"),
+        ("positional_prompts", "'prompts' parameter is positional only"),
+        ("needs_level", "it needs 'level', which is no column of the data"),
+        ("keyword_only", "it takes no positional argument"),
+    ]:
+        with pytest.raises(
+            ValueError,
+            match=rf"--reward: the reward function {name} cannot take what score passes it, "
+            rf"{name}\(completions, prompts=, answer=, difficulty=\): {msg}",
+        ):
             get_task(str(data), reward_fn=R.load_reward(f"{f}:{name}"))
     get_task(str(data), reward_fn=R.load_reward(f"{f}:fine"))
 
@@ -241,18 +264,36 @@ class Vandal:
 
 
 def play(env_cls, rows=None, timeout=1.0, context_len=256, n=1):
-    return agent.run_episodes(Scripted(["abc"]), TOK, env_cls, rows or [{"prompt": "go"}],
-                              Sampling(max_new_tokens=8, stop_token_ids=(EOS,), n=n), max_turns=3, context_len=context_len,
-                              timeout=timeout)
+    return agent.run_episodes(
+        Scripted(["abc"]),
+        TOK,
+        env_cls,
+        rows or [{"prompt": "go"}],
+        Sampling(max_new_tokens=8, stop_token_ids=(EOS,), n=n),
+        max_turns=3,
+        context_len=context_len,
+        timeout=timeout,
+    )
 
 
-@pytest.mark.parametrize("env,rows,msg", [
-    (Hangs, None, r"environment Hangs.step did not return within 1 s \(--user-timeout\) on turn 1 of episode 0 \(row 0: "
-                  r"prompt 'go'; sample 0\) \(model text 'abc'\)"),
-    (ResetRaises, [{"prompt": "go", "where": "data.jsonl: row 7 (line 8)"}],
-     r"environment ResetRaises.reset raised on episode 0 \(row 0: data.jsonl: row 7 \(line 8\); sample 0\): KeyError\('missing'\)"),
-    (Exits, None, r"environment Exits.step called sys.exit\(3\) .* on turn 1 of episode 0"),
-], ids=["step hangs", "reset raises", "step exits"])
+@pytest.mark.parametrize(
+    "env,rows,msg",
+    [
+        (
+            Hangs,
+            None,
+            r"environment Hangs.step did not return within 1 s \(--user-timeout\) on turn 1 of episode 0 \(row 0: "
+            r"prompt 'go'; sample 0\) \(model text 'abc'\)",
+        ),
+        (
+            ResetRaises,
+            [{"prompt": "go", "where": "data.jsonl: row 7 (line 8)"}],
+            r"environment ResetRaises.reset raised on episode 0 \(row 0: data.jsonl: row 7 \(line 8\); sample 0\): KeyError\('missing'\)",
+        ),
+        (Exits, None, r"environment Exits.step called sys.exit\(3\) .* on turn 1 of episode 0"),
+    ],
+    ids=["step hangs", "reset raises", "step exits"],
+)
 def test_environment_failures_name_class_method_episode_and_turn(env, rows, msg):
     t = time.monotonic()
     with pytest.raises(RuntimeError, match=msg):
@@ -263,11 +304,16 @@ def test_environment_failures_name_class_method_episode_and_turn(env, rows, msg)
 def test_huge_observation_ends_the_episode_without_being_encoded(monkeypatch):
     encoded = []
     real = type(TOK).__call__
-    monkeypatch.setattr(type(TOK), "__call__", lambda self, text, *a, **k: encoded.append(len(text)) or real(self, text, *a, **k))
+    monkeypatch.setattr(
+        type(TOK), "__call__", lambda self, text, *a, **k: encoded.append(len(text)) or real(self, text, *a, **k)
+    )
     agent._WARNED.clear()
     for env in (Huge, Long):
-        with pytest.warns(UserWarning, match=rf"environment {env.__name__}.step returned a {env.size:,}-character observation on "
-                                             r"turn 1 of episode 0 .*longer than the \d+ tokens of context left: the episode ends"):
+        with pytest.warns(
+            UserWarning,
+            match=rf"environment {env.__name__}.step returned a {env.size:,}-character observation on "
+            r"turn 1 of episode 0 .*longer than the \d+ tokens of context left: the episode ends",
+        ):
             ep = play(env, context_len=64)
         assert ep.finish == ["context"] and ep.turns == [1] and ep.returns.tolist() == [0.5]
         assert ep.rollout.tokens.shape[1] <= 64 and ep.messages[0][-1]["role"] == "assistant"  # not appended
@@ -285,16 +331,28 @@ def test_reset_gets_a_copy_of_its_row():
 
 def test_chat_template_failure_on_an_observation_names_the_environment_and_turn():
     tok = copy.deepcopy(TOK)
-    tok.chat_template = ("{% for m in messages %}{% if loop.index0 > 1 %}{{ raise_exception('one exchange only') }}{% endif %}"
-                         "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    with pytest.raises(RuntimeError, match=r"the chat template failed on the message of environment Long on turn 1 of episode 0 "
-                                           r"\(row 0: prompt 'go'; sample 0\): .*one exchange only"):
-        agent.run_episodes(Scripted(["abc"]), tok, Long, [{"prompt": "go"}], Sampling(max_new_tokens=8, stop_token_ids=(EOS,)),
-                           max_turns=3, context_len=256)
+    tok.chat_template = (
+        "{% for m in messages %}{% if loop.index0 > 1 %}{{ raise_exception('one exchange only') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"the chat template failed on the message of environment Long on turn 1 of episode 0 "
+        r"\(row 0: prompt 'go'; sample 0\): .*one exchange only",
+    ):
+        agent.run_episodes(
+            Scripted(["abc"]),
+            tok,
+            Long,
+            [{"prompt": "go"}],
+            Sampling(max_new_tokens=8, stop_token_ids=(EOS,)),
+            max_turns=3,
+            context_len=256,
+        )
 
 
-ENVS = '''
+ENVS = """
 class NoArgStep:
     def reset(self, row):
         return "go"
@@ -322,15 +380,20 @@ class Static:
     @classmethod
     def step(cls, text):
         return None, 1.0, True
-'''
+"""
 
 
 def test_env_signatures_are_checked_by_load_env(tmp_path):
     f = tmp_path / "envs.py"
     f.write_text(ENVS)
-    for name, msg in [("NoArgStep", r"NoArgStep.step must take one argument \(step\(text\)\): too many positional arguments"),
-                      ("TwoArgReset", r"TwoArgReset.reset must take one argument \(reset\(row\)\): missing a required argument: 'extra'"),
-                      ("NeedsInit", r"NeedsInit.__init__ must take no arguments \(one instance per episode\)")]:
+    for name, msg in [
+        ("NoArgStep", r"NoArgStep.step must take one argument \(step\(text\)\): too many positional arguments"),
+        (
+            "TwoArgReset",
+            r"TwoArgReset.reset must take one argument \(reset\(row\)\): missing a required argument: 'extra'",
+        ),
+        ("NeedsInit", r"NeedsInit.__init__ must take no arguments \(one instance per episode\)"),
+    ]:
         with pytest.raises(ValueError, match=r"--env '.*envs.py:" + name + "': " + msg):
             agent.load_env(f"{f}:{name}")
     assert agent.load_env(f"{f}:Static").__name__ == "Static"
@@ -339,21 +402,21 @@ def test_env_signatures_are_checked_by_load_env(tmp_path):
 # ----------------------------------------------------------------------------- whole runs
 
 
-HANG_REWARD = '''
+HANG_REWARD = """
 import threading
 
 def hang(completions, **columns):
     threading.Event().wait()  # blocks forever
-'''
+"""
 
-EXIT_REWARD = '''
+EXIT_REWARD = """
 import sys
 
 def bye(completions, **columns):
     sys.exit(0)
-'''
+"""
 
-SPIN_ENV = '''
+SPIN_ENV = """
 class Spin:
     def reset(self, row):
         return row["prompt"]
@@ -361,18 +424,47 @@ class Spin:
     def step(self, text):
         while True:  # a busy loop that never ends
             pass
-'''
+"""
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("flag,source,name,msg", [
-    ("--reward", HANG_REWARD, "hang", "reward function hang did not return within 1 s (--user-timeout) on a batch of 8 samples"),
-    ("--reward", EXIT_REWARD, "bye", "reward function bye called sys.exit(0)"),
-    ("--env", SPIN_ENV, "Spin", "environment Spin.step did not return within 1 s (--user-timeout) on turn 1 of episode 0"),
-], ids=["reward hangs", "reward exits 0", "env step spins"])
+@pytest.mark.parametrize(
+    "flag,source,name,msg",
+    [
+        (
+            "--reward",
+            HANG_REWARD,
+            "hang",
+            "reward function hang did not return within 1 s (--user-timeout) on a batch of 8 samples",
+        ),
+        ("--reward", EXIT_REWARD, "bye", "reward function bye called sys.exit(0)"),
+        (
+            "--env",
+            SPIN_ENV,
+            "Spin",
+            "environment Spin.step did not return within 1 s (--user-timeout) on turn 1 of episode 0",
+        ),
+    ],
+    ids=["reward hangs", "reward exits 0", "env step spins"],
+)
 def test_run_with_hostile_user_code_stops_with_an_error(tmp_path, flag, source, name, msg):
     t = time.monotonic()
-    out = train_cli(flag, plugin(tmp_path, source, name), "--user-timeout", "1", "--steps", "1", "--rollout-batch", "8",
-                    "--eval-size", "8", "--critic-pretrain", "0", "--out-dir", tmp_path / "run", timeout=300)
+    out = train_cli(
+        flag,
+        plugin(tmp_path, source, name),
+        "--user-timeout",
+        "1",
+        "--steps",
+        "1",
+        "--rollout-batch",
+        "8",
+        "--eval-size",
+        "8",
+        "--critic-pretrain",
+        "0",
+        "--out-dir",
+        tmp_path / "run",
+        timeout=300,
+    )
     assert out.returncode != 0 and msg in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]
     assert time.monotonic() - t < 120

@@ -52,7 +52,7 @@ def test_headroom_per_position_by_hand():
     assert _value_ceiling().headroom(values, prompt, returns, mask).tolist() == [1.0, 0.0]
 
 
-RETRY = '''
+RETRY = """
 class Retry:
     def reseed(self, seed):
         pass
@@ -63,7 +63,7 @@ class Retry:
 
     def step(self, text):
         return (None, 1.0, True) if text.strip() == self.answer else ("wrong, try again", 0.0, False)
-'''
+"""
 
 
 def test_measure_plays_episodes_from_the_turn_starts(tmp_path):

@@ -12,7 +12,7 @@ spec = importlib.util.spec_from_file_location("value_fit", os.path.join(REPO, "b
 value_fit = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(value_fit)
 
-REWARDS = '''
+REWARDS = """
 import random
 _rng = random.Random(0)
 
@@ -21,7 +21,7 @@ def first_odd(completions, **_):  # decided by the first response token: readabl
 
 def coin(completions, **_):  # independent of the prompt and the response
     return [float(_rng.random() < 0.5) for _ in completions]
-'''
+"""
 
 
 @pytest.mark.e2e
@@ -29,7 +29,9 @@ def coin(completions, **_):  # independent of the prompt and the response
 def test_value_fit_learns_what_is_readable_and_nothing_else(tmp_path, fn):
     path = tmp_path / "rewards.py"
     path.write_text(REWARDS)
-    out = value_fit.main(["--rollouts", "512", "--epochs", "4", "--reward", f"{path}:{fn}", "--out", str(tmp_path / "fit.json")])
+    out = value_fit.main(
+        ["--rollouts", "512", "--epochs", "4", "--reward", f"{path}:{fn}", "--out", str(tmp_path / "fit.json")]
+    )
     held = out["held"]["ev"]
     if fn == "first_odd":
         assert held > 0.4, out["held"]

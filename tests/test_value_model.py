@@ -6,8 +6,16 @@ from transformers import AutoModelForCausalLM, CodeGenConfig, LlamaConfig, Llama
 
 from value_model import build_critic, critic_values, freeze_attention, load_critic
 
-CFG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=64)
+CFG = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=64,
+)
 
 
 @pytest.fixture(scope="module")

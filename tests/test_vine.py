@@ -30,8 +30,10 @@ class Continuations:
 
     def generate(self, prompt_ids, s):
         self.calls.append(([list(p) for p in prompt_ids], s))
-        outs = [ids("y" if s.row_seed(r) % s.n < len(prompt_ids[r // s.n]) - len(PROMPT) else "n") + [EOS]
-                for r in range(len(prompt_ids) * s.n)]
+        outs = [
+            ids("y" if s.row_seed(r) % s.n < len(prompt_ids[r // s.n]) - len(PROMPT) else "n") + [EOS]
+            for r in range(len(prompt_ids) * s.n)
+        ]
         return Rollout.from_ragged(outs, [p for p in prompt_ids for _ in range(s.n)], ["stop"] * len(outs))
 
 
@@ -66,15 +68,21 @@ def test_mc_values_by_hand():
     # one call per column, k samples per state, the budget left, seeds above every rollout seed
     assert [len(c[0][0]) - len(PROMPT) for c in engine.calls] == [0, 1, 2, 3]
     assert [c[1].max_new_tokens for c in engine.calls] == [8, 7, 6, 5] and all(c[1].n == 4 for c in engine.calls)
-    assert engine.calls[0][1].seeds == tuple(2**31 + 5 * 8 * 4 + i for i in range(4))  # row seed 5, 8 states x 4 at most
+    assert engine.calls[0][1].seeds == tuple(
+        2**31 + 5 * 8 * 4 + i for i in range(4)
+    )  # row seed 5, 8 states x 4 at most
     mask = torch.ones(1, 4, dtype=torch.bool)
     rewards = L.last_token_rewards(torch.tensor([1.0]), mask)
-    torch.testing.assert_close(L.vine_advantages(v.values, v.states, rewards, mask), torch.tensor([[0.25, 0.75, 0.0, 0.0]]))
+    torch.testing.assert_close(
+        L.vine_advantages(v.values, v.states, rewards, mask), torch.tensor([[0.25, 0.75, 0.0, 0.0]])
+    )
     assert vine.metrics(v, rewards, mask, 8)["vine/ev_pos_0"].isnan()  # one row: the return has no variance
 
     v2 = vine.mc_values(Continuations(), TOK, t, t.train, response("ayc"), S, k=4, every=2)  # states at 0 and 2
     assert v2.states.tolist() == [[True, False, True, False]] and v2.values[0, 2] == 1.0 and v2.extra_tokens == 16
-    torch.testing.assert_close(L.vine_advantages(v2.values, v2.states, rewards, mask), torch.tensor([[1.0, 1.0, 0.0, 0.0]]))
+    torch.testing.assert_close(
+        L.vine_advantages(v2.values, v2.states, rewards, mask), torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    )
     vals, has = vine.token_values(v2, mask)
     assert vals.tolist() == [[0.0, 0.0, 1.0, 1.0]] and has.all()
 
@@ -89,7 +97,9 @@ def test_unrewarded_continuations_leave_the_mean():
 
 def test_seeds_are_disjoint_from_the_rollouts_and_distinct():
     """In [2^31, 2^32) (the engine keeps a seed's low 32 bits; every other seed is below 2^31), one per continuation."""
-    seeds = [vine.continuation_seed(r, j, i, 4, 3) for r in range(2**31 - 64, 2**31 + 64) for j in range(3) for i in range(4)]
+    seeds = [
+        vine.continuation_seed(r, j, i, 4, 3) for r in range(2**31 - 64, 2**31 + 64) for j in range(3) for i in range(4)
+    ]
     assert len(set(s % 2**32 for s in seeds)) == len(seeds) and min(seeds) >= 2**31 and max(seeds) < 2**32
 
 
@@ -196,12 +206,22 @@ def test_a_continuation_needs_reseed():
     class NoSeed(Rolls):
         reseed = None
 
-    ep = agent.run_episodes(Episodic(), TOK, Rolls, [{"prompt": "go", "answer": ""}], Sampling(max_new_tokens=4, stop_token_ids=(EOS,)),
-                            max_turns=5, context_len=256, snapshots=True)
+    ep = agent.run_episodes(
+        Episodic(),
+        TOK,
+        Rolls,
+        [{"prompt": "go", "answer": ""}],
+        Sampling(max_new_tokens=4, stop_token_ids=(EOS,)),
+        max_turns=5,
+        context_len=256,
+        snapshots=True,
+    )
     st = ep.starts[0][1]
     st.env.__class__ = NoSeed
     with pytest.raises(ValueError, match="has no reseed"):
-        agent.run_episodes(Episodic(), TOK, NoSeed, [], Sampling(max_new_tokens=4), max_turns=5, context_len=256, starts=[st])
+        agent.run_episodes(
+            Episodic(), TOK, NoSeed, [], Sampling(max_new_tokens=4), max_turns=5, context_len=256, starts=[st]
+        )
 
 
 RETRY = '''
@@ -230,4 +250,6 @@ def test_algo_vine_on_episodes_and_its_reseed_refusal(tmp_path):
     env.write_text(RETRY)
     hist = main(small(tmp_path / "run", algo="vine", vine_k=2, env=f"{env}:Retry", max_turns=2, eval_size=8))
     rl = [r for r in hist if r["step"] >= 1]
-    assert len(rl) == 2 and all(r["ppo/grad_norm"] > 0 and r["vine/extra_token_ratio"] > 0 and "rollout/turns_mean" in r for r in rl)
+    assert len(rl) == 2 and all(
+        r["ppo/grad_norm"] > 0 and r["vine/extra_token_ratio"] > 0 and "rollout/turns_mean" in r for r in rl
+    )

@@ -15,7 +15,19 @@ import agent
 from conftest import CACHE, REPO
 from data.tasks import get_task
 from data.tiny import build_tokenizer, default_model, demo_engine
-from data.walk import P_JUMP, P_JUMP1, START, TURNS, WALL, WIND, WalkEnv, demo_move, observation, parse_prompt, walk_rows
+from data.walk import (
+    P_JUMP,
+    P_JUMP1,
+    START,
+    TURNS,
+    WALL,
+    WIND,
+    WalkEnv,
+    demo_move,
+    observation,
+    parse_prompt,
+    walk_rows,
+)
 from rollout import EmbeddedEngine, Sampling
 
 spec = importlib.util.spec_from_file_location("walk_design", os.path.join(REPO, "bench", "walk_design.py"))
@@ -40,12 +52,20 @@ def test_walk_rules_on_hand_cases():
     seed = next(s for s in range(100) if gust_of(s, 9) == 4)  # a seed whose gust is +4
     # 3 to go, step: 2; the gust: 6; jump, jump, jump: 4, 2, 0 -> home on the last turn
     assert play("wind 9: 3 to go, 5 left", ["1", "2", "2", "2", "1"], seed) == [
-        ("6 to go, 4 left", 0.0, False), ("4 to go, 3 left", 0.0, False), ("2 to go, 2 left", 0.0, False),
-        ("0 to go, 1 left", 0.0, False), (None, 1.0, True)]  # home is absorbing: the last step stays home
+        ("6 to go, 4 left", 0.0, False),
+        ("4 to go, 3 left", 0.0, False),
+        ("2 to go, 2 left", 0.0, False),
+        ("0 to go, 1 left", 0.0, False),
+        (None, 1.0, True),
+    ]  # home is absorbing: the last step stays home
     # a jump from 1 to go lands 1 past home; any other text stands still; one short of home at the end: reward 0
     seed0 = next(s for s in range(100) if gust_of(s, 6) == 0)
     assert play("wind 6: 2 to go, 4 left", ["1", "2", " go ", "1"], seed0) == [
-        ("1 to go, 3 left", 0.0, False), ("1 to go, 2 left", 0.0, False), ("1 to go, 1 left", 0.0, False), (None, 1.0, True)]
+        ("1 to go, 3 left", 0.0, False),
+        ("1 to go, 2 left", 0.0, False),
+        ("1 to go, 1 left", 0.0, False),
+        (None, 1.0, True),
+    ]
     assert play("wind 6: 2 to go, 4 left", ["1", "2", "22", "2"], seed0)[-1] == (None, 0.0, True)
     # home before the gust is out of the wind; the gust stops at the wall
     assert play("wind 12: 2 to go, 4 left", ["2"], seed)[0] == ("0 to go, 3 left", 0.0, False)
@@ -70,6 +90,7 @@ def test_walk_refuses_misuse():
 def test_reseed_determines_the_gust():
     """The gust is the reseeded RNG's first draw: the same seed gives the same gust, and over seeds every push 0..G
     occurs about equally often."""
+
     def gust(seed):
         return int(play("wind 8: 3 to go, 4 left", ["1"], seed)[0][0].split()[0]) - 2
 
@@ -81,8 +102,15 @@ def test_reseed_determines_the_gust():
     rows = [{"prompt": "wind 12: 5 to go, 4 left", "answer": "home"}] * 6
     s = Sampling(max_new_tokens=4, seed=3)
     full = agent.run_episodes(demo_engine(tok, move=demo_move), tok, WalkEnv, rows, s, max_turns=6, context_len=256)
-    tail = agent.run_episodes(demo_engine(tok, move=demo_move), tok, WalkEnv, rows[3:], Sampling(max_new_tokens=4, seed=6),
-                              max_turns=6, context_len=256)
+    tail = agent.run_episodes(
+        demo_engine(tok, move=demo_move),
+        tok,
+        WalkEnv,
+        rows[3:],
+        Sampling(max_new_tokens=4, seed=6),
+        max_turns=6,
+        context_len=256,
+    )
     assert full.messages[3:] == tail.messages
     assert len({m[2]["content"] for m in full.messages}) > 1  # the gusts differ between episodes
 
@@ -96,14 +124,23 @@ def test_critic_context_is_the_gust_to_come_and_a_reseeded_copy_draws_afresh():
     env.reset({"prompt": "wind 9: 3 to go, 5 left"})
     assert env.critic_context() == "gust 4" and env.critic_context() == "gust 4"  # drawn once, at the RNG's first draw
     twin = copy.deepcopy(env)
-    assert env.step("1")[0] == "6 to go, 4 left"  # 3 - 1 + 4: the gust the critic was told, the same as without the call
+    assert (
+        env.step("1")[0] == "6 to go, 4 left"
+    )  # 3 - 1 + 4: the gust the critic was told, the same as without the call
     other = next(s for s in range(100) if gust_of(s, 9) == 0)
     twin.reseed(other)  # a vine continuation from the turn's start: its own gust, not the original's
     assert twin.step("1")[0] == "2 to go, 4 left" and twin.critic_context() == "gust 0"
     # through the driver: the episode's critic string names the gust its observation then shows
     tok = build_tokenizer()
-    out = agent.run_episodes(demo_engine(tok, move=demo_move), tok, WalkEnv, [{"prompt": "wind 12: 5 to go, 4 left", "answer": "home"}] * 8,
-                             Sampling(max_new_tokens=4, seed=3), max_turns=6, context_len=256)
+    out = agent.run_episodes(
+        demo_engine(tok, move=demo_move),
+        tok,
+        WalkEnv,
+        [{"prompt": "wind 12: 5 to go, 4 left", "answer": "home"}] * 8,
+        Sampling(max_new_tokens=4, seed=3),
+        max_turns=6,
+        context_len=256,
+    )
     for ctx, msgs in zip(out.critic_context, out.messages):
         first = int(msgs[1]["content"])  # the move of turn 1: 5 - move + gust, capped at the wall
         assert msgs[2]["content"].startswith(f"{min(WALL, 5 - first + int(ctx.split()[1]))} to go")
@@ -117,8 +154,15 @@ def test_observation_format_and_layout():
     assert parse_prompt("wind 12: 5 to go, 6 left") == (12, 5, 6)
     tok = build_tokenizer()
     task = get_task("walk")
-    ep = agent.run_episodes(demo_engine(tok, move=demo_move), tok, WalkEnv, task.train.to_list()[:200],
-                            Sampling(max_new_tokens=task.max_new_tokens, seed=0), max_turns=task.max_turns, context_len=256)
+    ep = agent.run_episodes(
+        demo_engine(tok, move=demo_move),
+        tok,
+        WalkEnv,
+        task.train.to_list()[:200],
+        Sampling(max_new_tokens=task.max_new_tokens, seed=0),
+        max_turns=task.max_turns,
+        context_len=256,
+    )
     turn = 2 + len(agent.observation_ids(tok, observation(3, 3)))  # move, <|im_end|>, observation
     for m, k in zip(ep.rollout.mask, ep.turns):
         assert m.nonzero().flatten().tolist() == [turn * j + c for j in range(k) for c in (0, 1)]
@@ -160,7 +204,13 @@ def test_design_matches_the_environment():
     played with demo_move gives (Monte Carlo, 3 sigma), for each of a few rows and over all of them."""
     d = walk_design.Design()
     assert (d.d0, d.turns, d.gust, d.p_jump, d.p_jump1, walk_design.WALL) == (
-        tuple(START), tuple(TURNS), tuple(WIND), P_JUMP, P_JUMP1, WALL) and d.slip == 0.0
+        tuple(START),
+        tuple(TURNS),
+        tuple(WIND),
+        P_JUMP,
+        P_JUMP1,
+        WALL,
+    ) and d.slip == 0.0
     rng = random.Random(0)
 
     def success(prompt, n):
@@ -190,7 +240,13 @@ def test_default_walk_model_builds_and_plays():
     assert stats["steps"] == 300
     tok = build_tokenizer()
     task = get_task("walk")
-    ep = agent.run_episodes(EmbeddedEngine(path, dtype="fp32"), tok, WalkEnv, task.test.to_list()[:500],
-                            Sampling(1.0, max_new_tokens=4, stop_token_ids=(tok.eos_token_id,), seed=0),
-                            max_turns=task.max_turns, context_len=256)
+    ep = agent.run_episodes(
+        EmbeddedEngine(path, dtype="fp32"),
+        tok,
+        WalkEnv,
+        task.test.to_list()[:500],
+        Sampling(1.0, max_new_tokens=4, stop_token_ids=(tok.eos_token_id,), seed=0),
+        max_turns=task.max_turns,
+        context_len=256,
+    )
     assert 0.2 <= float((ep.returns > 0).float().mean()) <= 0.45

@@ -30,11 +30,26 @@ MAX_NORM = 0.05  # below the gradient norms seen here, so clipping really scales
 CONFIGS = {
     "llama": tiny_config(vocab_size=300),  # the project's tiny model: tied embeddings
     "qwen2": transformers.Qwen2Config(  # q/k/v biases, untied head
-        vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=256),
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    ),
     "qwen3": transformers.Qwen3Config(  # q_norm / k_norm over head_dim
-        vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, max_position_embeddings=256),
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    ),
     "qwen3_moe": tiny_moe_config(vocab_size=300, num_hidden_layers=2),  # 8 experts, top-2: 4 per rank
 }
 PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
@@ -71,14 +86,15 @@ def forward_loss(model, kind: str, batch: dict, old: torch.Tensor | None, num_to
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     if kind == "policy":
         # Logits at position t predict token t + 1: response tokens P.. are scored by logits P-1..L-2.
-        pred = losses.token_logprobs(out[:, P - 1:-1], batch["input_ids"][:, P:], TEMPERATURE)
+        pred = losses.token_logprobs(out[:, P - 1 : -1], batch["input_ids"][:, P:], TEMPERATURE)
     else:
         pred = out.squeeze(-1)[:, P:]
     if old is None:  # the reference run defines the "rollout-time" tensors for both runs
         old = pred.detach() + batch["noise"]
     if kind == "policy":
-        loss, _ = losses.ppo_policy_loss(pred, old, batch["advantages"], batch["mask"], clip_low=0.2,
-                                         clip_high=0.28, num_tokens=num_tokens)
+        loss, _ = losses.ppo_policy_loss(
+            pred, old, batch["advantages"], batch["mask"], clip_low=0.2, clip_high=0.28, num_tokens=num_tokens
+        )
         return out, loss, old
     loss, _ = losses.value_loss(pred, old, batch["returns"], batch["mask"], clip=0.2, num_tokens=num_tokens)
     return pred, loss, old
@@ -108,7 +124,9 @@ def check_tp(family: str, kind: str, tp_mesh, out: dict) -> None:
     assert any(isinstance(p, DTensor) for p in tp.parameters()), "parallelize sharded nothing"
     if family == "qwen3_moe":  # experts placed per rank, the router replicated
         ex, gate = tp.model.layers[0].mlp.experts, tp.model.layers[0].mlp.gate
-        assert ex.gate_up_proj.placements == (Shard(0),) and ex.down_proj.to_local().size(0) == ex.num_experts // 2, "experts not split"
+        assert ex.gate_up_proj.placements == (Shard(0),) and ex.down_proj.to_local().size(0) == ex.num_experts // 2, (
+            "experts not split"
+        )
         assert not isinstance(gate.weight, DTensor), "the router should stay replicated"
     if getattr(ref, "lm_head", None) is not None and ref.lm_head.weight is ref.model.embed_tokens.weight:
         shared = tp.model.embed_tokens.weight
@@ -147,7 +165,9 @@ def check_tp(family: str, kind: str, tp_mesh, out: dict) -> None:
         stale = (torch.log_softmax(engine.logits(ids), -1) - new_logp).abs().max().item()
         engine.update_weights(pair for bucket in parallel.full_weights(tp, bucket_bytes=1 << 16) for pair in bucket)
         out[f"{key}/engine_sync"] = (torch.log_softmax(engine.logits(ids), -1) - new_logp).abs().max().item()
-        assert stale > 100 * max(out[f"{key}/engine_sync"], 1e-6), f"{key}: the step did not change the engine's log-probs"
+        assert stale > 100 * max(out[f"{key}/engine_sync"], 1e-6), (
+            f"{key}: the step did not change the engine's log-probs"
+        )
     if getattr(tp, "lm_head", None) is not None and ref.config.tie_word_embeddings:
         assert tp.lm_head.weight is tp.model.embed_tokens.weight, "tie lost after the optimiser step"
 
@@ -177,7 +197,7 @@ def check_dp_dtensor(dp_tp_mesh, rank: int, out: dict) -> None:
     model = parallelize_module(copy.deepcopy(ref), dp_tp_mesh["tp"], ColwiseParallel())
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
     ref(x).square().sum().backward()
-    model(x[rank * 2:(rank + 1) * 2]).square().sum().backward()
+    model(x[rank * 2 : (rank + 1) * 2]).square().sum().backward()
     assert isinstance(model.weight.grad, DTensor)
     parallel.all_reduce_grads(model, dp_tp_mesh["dp"].get_group())
     out["dp/dtensor_linear/grads"] = max_diff(grads(model), grads(ref))
