@@ -1,5 +1,5 @@
 """The project's layers, read from the source with `ast`: every import of a project module (at the top of a file or
-inside a function) points down the layers or within a layer, never into a cycle; no module passes 600 lines; losses.py
+inside a function) points down the layers or within a layer, never into a cycle; no module passes 700 lines (formatted: ruff format, which `make lint` checks); losses.py
 imports torch (and einops) only. And the presets: runs/cpu.sh writes out every Config field, the others only what
 differs from it.
 
@@ -39,7 +39,7 @@ LAYERS = [
 ]
 LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 LAZY_UP = {("rollout", "make_engine", "sglang_engine")}  # (module, function, imported module)
-MAX_LINES = 600
+MAX_LINES = 700
 
 
 def path_of(module: str) -> str:
@@ -122,7 +122,7 @@ def test_the_checks_catch_a_cycle_and_an_upward_arrow():
     assert upward({"losses": {"rollout"}, "rollout": {"losses"}}) == ["losses -> rollout"]
 
 
-def test_no_module_over_600_lines():
+def test_no_module_over_700_formatted_lines():
     lines = {m: sum(1 for _ in open(path_of(m))) for m in project_modules()}
     assert {m: n for m, n in lines.items() if n > MAX_LINES} == {}
 
