@@ -1,4 +1,4 @@
-"""The embedded engine's model (rollout.EmbeddedEngine): the forward pass of a Hugging Face Llama / Qwen2 / Qwen3 /
+"""The embedded engine's model (embedded_engine.EmbeddedEngine): the forward pass of a Hugging Face Llama / Qwen2 / Qwen3 /
 Qwen3-MoE causal LM over its weights fused into a per-layer store (q/k/v and gate/up as one matrix each), gpt-fast
 style: SDPA, RoPE, GQA and the engine's preallocated KV cache, no mask builders or cache objects per step. Every
 operation follows Hugging Face's order and dtypes, so an fp32 engine's log-probs equal the trainer's

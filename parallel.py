@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from moe import is_moe, shard_experts
 
-# The models the project implements (the TP plan, rollout.EmbeddedEngine's forward pass, the critic): Hugging Face
+# The models the project implements (the TP plan, embedded_engine.EmbeddedEngine's forward pass, the critic): Hugging Face
 # model_type -> class-name prefix. The plan below relies on their module names and on their attention reshaping with
 # ``view(*shape, -1, head_dim)``, which makes a rank's q/k/v projection output read as its local heads. Qwen3-MoE's
 # experts are placed per rank (moe.shard_experts).

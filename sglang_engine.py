@@ -41,7 +41,7 @@ honours only with enable_deterministic_inference=True, and that needs a GPU atte
 (fa3, flashinfer, triton, ...). On CPU the sampling stream is seeded once, by `random_seed` at start.
 release/resume_memory_occupation succeed on CPU but free nothing (sleep then returns about 0 bytes).
 
-Precision knobs (rollout.EmbeddedEngine's names), mapped to SGLang 0.5.23's own options or refused:
+Precision knobs (embedded_engine.EmbeddedEngine's names), mapped to SGLang 0.5.23's own options or refused:
 - kv_cache_dtype="fp8" -> kv_cache_dtype="fp8_e4m3": float8_e4m3fn KV cache, scale 1.0 without
   quantization_param_path (the embedded engine's rule). On GPU, SGLang's prefill (e.g. the triton
   backend's extend kernel) attends over the fresh k/v of the tokens it computes and reads fp8 only for
@@ -71,7 +71,10 @@ from rollout import Rollout, Sampling, check_request
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-SGLANG_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3"}  # rollout.EmbeddedEngine's kv_cache_dtype -> SGLang's
+SGLANG_KV_CACHE_DTYPES = {
+    "auto": "auto",
+    "fp8": "fp8_e4m3",
+}  # embedded_engine.EmbeddedEngine's kv_cache_dtype -> SGLang's
 # SGLang turns temperature below this into greedy sampling (sglang/srt/sampling/sampling_params.py:245),
 # whose returned log-prob is at temperature 1: refuse rather than return the wrong log-prob.
 SGLANG_GREEDY_TEMPERATURE = 1e-6
@@ -83,7 +86,7 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 
 
 class SGLangEngine:
-    """Rollout engine on sglang.Engine; same interface and Rollout alignment as rollout.EmbeddedEngine.
+    """Rollout engine on sglang.Engine; same interface and Rollout alignment as embedded_engine.EmbeddedEngine.
 
     model_path: a Hugging Face folder (config.json + safetensors); no tokenizer is needed, prompts are ids.
     dtype: "fp32" or "bf16" (SGLang's model dtype; log-probs come back as float32 either way); "int4" is
@@ -361,7 +364,7 @@ class SGLangEngine:
 
 
 def sglang_kv_cache_dtype(kv_cache_dtype: str, device: str, attention_backend: str | None) -> str:
-    """SGLang's kv_cache_dtype server arg for rollout.EmbeddedEngine's kv_cache_dtype, or a ValueError where
+    """SGLang's kv_cache_dtype server arg for embedded_engine.EmbeddedEngine's kv_cache_dtype, or a ValueError where
     SGLang 0.5.23 cannot do it on this device and attention backend."""
     if kv_cache_dtype not in SGLANG_KV_CACHE_DTYPES:
         raise ValueError(

@@ -28,7 +28,8 @@ def one(mode: str, args) -> dict:
 
     from data.tasks import encode_prompt, get_task
     from data.tiny import default_model
-    from rollout import SGLANG_GPU_MEM_FRACTION, Sampling, push_weights
+    from build import SGLANG_GPU_MEM_FRACTION
+    from rollout import Sampling, push_weights
     from sglang_engine import SGLangEngine
     from value_model import build_critic
 

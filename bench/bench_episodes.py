@@ -26,7 +26,8 @@ import tools  # noqa: E402
 from data.guess import GuessEnv, MAX_TURNS  # noqa: E402
 from data.tasks import calc_task, guess_task  # noqa: E402
 from data.tiny import build_tokenizer, default_model, tool_caller  # noqa: E402
-from rollout import EmbeddedEngine, Sampling  # noqa: E402
+from embedded_engine import EmbeddedEngine  # noqa: E402
+from rollout import Sampling  # noqa: E402
 
 
 def workload(name: str, tok):

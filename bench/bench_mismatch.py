@@ -42,7 +42,8 @@ import losses  # noqa: E402
 import moe  # noqa: E402
 from data.tasks import encode_prompt, get_task  # noqa: E402
 from data.tiny import default_model  # noqa: E402
-from rollout import EmbeddedEngine, Rollout, Sampling  # noqa: E402
+from embedded_engine import EmbeddedEngine  # noqa: E402
+from rollout import Rollout, Sampling  # noqa: E402
 
 KNOBS = [("fp32", "auto"), ("bf16", "auto"), ("fp8", "auto"), ("int4", "auto"), ("bf16", "fp8"), ("int4", "fp8")]
 ROWS = 256  # rows per forward pass

@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, run from anywhere
 from data.tasks import get_task  # noqa: E402
 from data.tiny import EOS_ID, PAD_ID, build_tokenizer, default_model  # noqa: E402
-from rollout import EmbeddedEngine, Sampling  # noqa: E402
+from embedded_engine import EmbeddedEngine  # noqa: E402
+from rollout import Sampling  # noqa: E402
 
 
 def best_time(fn, repeats: int) -> tuple[float, float, int]:

@@ -60,7 +60,8 @@ import losses as L  # noqa: E402
 from agent import DEFAULT_MAX_TURNS  # noqa: E402
 from data.rewards import reward_columns, score  # noqa: E402
 from data.tasks import encode_prompt, get_task  # noqa: E402
-from rollout import EmbeddedEngine, Sampling  # noqa: E402
+from embedded_engine import EmbeddedEngine  # noqa: E402
+from rollout import Sampling  # noqa: E402
 
 
 def ceilings(

@@ -43,7 +43,8 @@ from data.rewards import load_reward  # noqa: E402
 from data.tasks import get_task  # noqa: E402
 from evaluation import rollouts, scored  # noqa: E402
 from forward import context_ids, critic_batch, micro, response_values  # noqa: E402
-from rollout import EmbeddedEngine, Sampling  # noqa: E402
+from embedded_engine import EmbeddedEngine  # noqa: E402
+from rollout import Sampling  # noqa: E402
 from value_model import build_critic, set_head_to_mean  # noqa: E402
 
 

@@ -203,7 +203,8 @@ def measure(model: str, n: int, seed: int) -> dict:
 
     import agent
     from data.tasks import get_task
-    from rollout import EmbeddedEngine, Sampling
+    from embedded_engine import EmbeddedEngine
+    from rollout import Sampling
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)

@@ -34,7 +34,8 @@ from data.calc import demo_move as calc_move
 from data.guess import interval
 from data.tasks import TASKS, Task, calc_task, encode_prompt
 from data.walk import demo_move as walk_move
-from rollout import EmbeddedEngine, Rollout, Sampling
+from embedded_engine import EmbeddedEngine
+from rollout import Rollout, Sampling
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, IM_START_ID, EOS_ID = 256, 257, 258  # the special tokens come right after the 256 bytes

@@ -12,7 +12,8 @@ from conftest import read_metrics, torchrun, train_cli
 from data.guess import GuessEnv, interval
 from data.tasks import guess_task
 from data.tiny import build_tiny_model, build_tokenizer, demo_engine
-from rollout import EmbeddedEngine, Rollout, Sampling
+from embedded_engine import EmbeddedEngine
+from rollout import Rollout, Sampling
 from forward import minibatches
 from train_ppo import Config
 

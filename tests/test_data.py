@@ -616,7 +616,7 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, tiny_dir):
 def test_weights_that_do_not_fill_the_architecture_are_refused_by_name(tmp_path, tiny_dir, damage, message):
     """Every place that loads a model folder: the policy and reference (load_policy), the critic's backbone
     (build_critic) and the embedded engine; transformers alone would fill a missing tensor with random values."""
-    from rollout import EmbeddedEngine
+    from embedded_engine import EmbeddedEngine
     from value_model import build_critic, load_critic, load_policy
 
     path = _damaged_copy(tiny_dir, tmp_path / "m", **damage)

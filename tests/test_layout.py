@@ -8,16 +8,16 @@ Layers, bottom to top, and why in this order:
 - data.rewards, data.guess, data.walk, data.calc, data.rg, data.tasks, tools: prompts, environments (text and tool
   ones), rewards, reasoning-gym's tasks, tool-call parsers and the built-in tools; no model or engine code, and
   agent.py needs data.rewards (--env shares --reward's plug-in loader), so they sit below the engines.
-- rollout: the engine interface, the embedded engine, make_engine and the weight push.
-- sglang_engine, agent, vine: the other engine, the multi-turn driver and VinePPO's Monte Carlo values, all on
-  rollout's interface.
+- rollout: the engine interface (sampling, the rollout records, the protocol) and the weight push.
+- embedded_engine, sglang_engine, agent, vine: the two engines, the multi-turn driver and VinePPO's Monte Carlo values,
+  all on rollout's interface.
 - data.tiny: the default model, warmed up on demonstrations played through agent and the embedded engine.
 - config, runlog, evaluation, value_model, forward: the run (options and checks, run folder and metrics, held-out
   evaluation, the critic, the trainer's forwards).
+- build: the run's set-up (its records, the models, make_engine over both engines, the log).
 - train_ppo: the loop.
 
-The one import allowed to point up: rollout.make_engine imports sglang_engine in its SGLang branch (SGLang is
-optional, and sglang_engine imports rollout). Other function-level imports of project modules count like top-level ones.
+Function-level imports of project modules count like top-level ones: none may point up.
 """
 
 import ast
@@ -32,13 +32,13 @@ LAYERS = [
     ("losses", "moe", "parallel", "decoder"),
     ("data.rewards", "data.guess", "data.walk", "data.calc", "data.rg", "data.tasks", "tools"),
     ("rollout",),
-    ("sglang_engine", "agent", "vine"),
+    ("embedded_engine", "sglang_engine", "agent", "vine"),
     ("data.tiny",),
     ("config", "runlog", "evaluation", "value_model", "forward"),
+    ("build",),
     ("train_ppo",),
 ]
 LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
-LAZY_UP = {("rollout", "make_engine", "sglang_engine")}  # (module, function, imported module)
 MAX_LINES = 700
 
 
@@ -73,11 +73,8 @@ def imports(module: str) -> list[tuple[str, str | None]]:
 
 
 def graph(modules) -> dict[str, set[str]]:
-    """module -> the project modules it imports (LAZY_UP left out)."""
-    return {
-        m: {name for name, func in imports(m) if name in modules and name != m and (m, func, name) not in LAZY_UP}
-        for m in modules
-    }
+    """module -> the project modules it imports."""
+    return {m: {name for name, _ in imports(m) if name in modules and name != m} for m in modules}
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:

@@ -14,7 +14,9 @@ from config import Config, resolve
 from conftest import read_metrics, train_cli
 from conftest import trainer_logp as _trainer_logp
 from data.tiny import build_tokenizer, tiny_moe_config
-from rollout import EmbeddedEngine, Sampling, fake_quant_int4
+from decoder import fake_quant_int4
+from embedded_engine import EmbeddedEngine
+from rollout import Sampling
 
 NUDGE = 2e-2  # the trainer's router nudge, relative to its weights' RMS: flips ~2% of token-layer choices here
 

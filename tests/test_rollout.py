@@ -9,7 +9,9 @@ import transformers
 
 import losses
 from conftest import trainer_logp
-from rollout import EmbeddedEngine, Rollout, Sampling, fake_quant_int4
+from decoder import fake_quant_int4
+from embedded_engine import EmbeddedEngine
+from rollout import Rollout, Sampling
 
 V = 300
 LLAMA = dict(
@@ -450,7 +452,7 @@ def test_seed_reaches_the_sglang_engine(monkeypatch):
     engine class is replaced by a recorder."""
     import sglang_engine
     from config import Config
-    from rollout import make_engine
+    from build import make_engine
 
     seen = []
     monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda path, **kw: seen.append(kw))

@@ -22,7 +22,8 @@ import transformers
 import parallel
 from conftest import REPO, require_extras, trainer_logp
 from data.tasks import encode_prompt
-from rollout import EmbeddedEngine, Sampling
+from embedded_engine import EmbeddedEngine
+from rollout import Sampling
 from value_model import build_critic, critic_values, load_critic
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))

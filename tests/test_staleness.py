@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 import losses as L
 from conftest import read_metrics, small, trainer_logp
 from config import Config, resolve
-from train_ppo import build_engines, build_models, load_task, main, rollout_phase, setup, train_step
+from build import build_engines, build_models, load_task, setup
+from train_ppo import main, rollout_phase, train_step
 
 FP32_LOGP_ATOL = 5e-5  # the fp32 engine against the trainer's forward (tests/test_rollout.py)
 

@@ -24,7 +24,8 @@ from data.guess import GuessEnv, GuessTools, guess_rows
 from data.rewards import exact
 from data.tasks import Task, calc_task, guess_task
 from data.tiny import build_tokenizer
-from rollout import EmbeddedEngine, Rollout, Sampling
+from embedded_engine import EmbeddedEngine
+from rollout import Rollout, Sampling
 
 HERMES = (
     "{%- if tools %}<|im_start|>system\nYou may call functions.\n<tools>\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n</tools>\n"

@@ -106,7 +106,7 @@ def test_seeds_are_disjoint_from_the_rollouts_and_distinct():
 def test_same_step_same_values_on_the_tiny_model(tiny_model_dir):
     """With the real engine: the same rollout and step seed give the same values; another step seed gives others."""
     from data.tasks import encode_prompt, get_task
-    from rollout import EmbeddedEngine
+    from embedded_engine import EmbeddedEngine
 
     t = get_task("addition")
     rows = t.train.select(range(6))

@@ -28,7 +28,8 @@ from data.walk import (
     parse_prompt,
     walk_rows,
 )
-from rollout import EmbeddedEngine, Sampling
+from embedded_engine import EmbeddedEngine
+from rollout import Sampling
 
 spec = importlib.util.spec_from_file_location("walk_design", os.path.join(REPO, "bench", "walk_design.py"))
 walk_design = importlib.util.module_from_spec(spec)

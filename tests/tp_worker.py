@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 import losses
 import parallel
-from rollout import EmbeddedEngine
+from embedded_engine import EmbeddedEngine
 from data.tiny import tiny_config, tiny_moe_config
 
 B, L, P = 4, 12, 4  # batch, sequence length, prompt length: T = L - P response tokens
