@@ -1,12 +1,14 @@
-"""The run's set-up: its records (Run, Models, Engines) and the functions main() calls before the first step.
+"""The run's set-up: its records and the functions main() calls before the first step.
 
     run = setup(cfg)                                        # processes, mesh, the resolved plan, the folder's lock
-    task, tok, model_path = load_task(run)                  # the task, every data row and the model folder checked
-    models = build_models(run, model_path, task)            # policy, critic, reference, optimisers (or a resume's)
-    engines = build_engines(run, models, task, tok)         # the rollout engine (make_engine) and the evaluation one
-    log = start_log(run, models, engines, task, tok, model_path)
+    task, tok, model_path, inputs = load_task(run)          # the task, every data row and the model folder checked
+    models, progress = build_models(run, model_path, task)  # policy, critic, reference, optimisers (or a resume's)
+    gen = build_generation(run, models, task, tok)          # the engines (make_engine), sampling, the episode driver
+    log = start_log(run, progress, gen, model_path, inputs) # the run log, and the "before RL" evaluation
 
-and `save`, the checkpoint of a step.
+The records: Run (fixed settings), Inputs (what the log records of the inputs), Models (the models and optimisers),
+Progress (the loop's counters, the one record written as the run goes), Generation (engines, task, sampling). And
+`save`, the checkpoint of a step.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import torch.distributed as dist
 
 import moe
 from agent import DEFAULT_MAX_TURNS, load_env, run_episodes
-from config import Config, check_model, resolve
+from config import Config, Plan, check_model, resolve
 from data.rewards import load_reward
-from data.tasks import get_task, prompt_keys
+from data.tasks import Task, get_task, prompt_keys
 from embedded_engine import EmbeddedEngine
 from evaluation import evaluate
-from forward import check_head
+from forward import Forward, check_head
 from parallel import Runtime, init_runtime, make_mesh, parallelize, print0
 from rollout import Engine, Sampling
 from runlog import (
@@ -39,14 +41,8 @@ from runlog import (
     lock_run_dir,
     save_checkpoint,
 )
-from tools import stop_ids, text_env
-from value_model import (
-    PromptBaseline,
-    build_critic,
-    freeze_attention,
-    load_critic,
-    load_policy,
-)
+from tools import ToolLimits, stop_ids, text_env
+from value_model import PromptBaseline, build_critic, freeze_attention, load_critic, load_policy
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -60,39 +56,59 @@ class Run:
 
     cfg: Config
     rt: Runtime
-    plan: dict  # config.resolve: dp, n (samples per prompt), rows and prompts per dp rank, critic_lr_used
+    plan: Plan  # config.resolve: the per-rank sizes and the algorithm's properties
     dp_group: Any  # this rank's data-parallel process group (None in one process)
     tp_mesh: Any  # this replica's tensor-parallel mesh (None without a mesh)
     dp_rank: int
     fsdp: Any  # the data-parallel mesh when --fsdp shards over it, else None
     engine_rank: bool  # the first rank of each TP group holds the rollout engine
     ckpt: str | None  # the checkpoint this run resumes from
-    changes: dict  # options (and, from load_task, inputs) the resume changed, {name: [old, new]}
-    inputs: dict  # the run's input fingerprints (runlog.input_fingerprints), filled by load_task
+    option_changes: dict  # the options a resume changed, {name: [old, new]} (checkpoint.check_resume)
     group: int  # rows kept together in minibatches: a prompt's n samples (1 with compaction)
     share: bool  # a group's rows share one forward of their prompt (TrainBatch.shared)
+    fwd: Forward  # how the trainer's forwards run (the sampling transform, bf16, routing replay)
     lock: Any  # the run folder's lock (rank 0), held until the process ends
 
 
-@dataclass
-class Models:
-    policy: Any
-    critic: Any  # None for GRPO
-    ref: Any  # the frozen initial policy with --kl, else None
-    opts: dict  # "policy" (and "critic") AdamW
-    path: str  # the folder the policy was loaded from (the engines load it too)
-    start: int  # the step the run starts at (a resume's checkpoint step)
-    bad: dict  # consecutive skipped updates per model (check_finite)
-    fresh_head: bool  # a new critic: its head is set to the mean reward of the first batch
-    saved_at: int  # the step of the newest checkpoint
-    synced: int = 0  # the updates in the rollout engine's weights (--sync-every: staleness = step - synced)
-    baseline: PromptBaseline | None = None  # --algo reinforce's per-prompt reward table (in the checkpoint)
+@dataclass(frozen=True)
+class Inputs:
+    """What load_task recorded of the run's inputs, for the run log."""
+
+    fingerprints: dict  # the input files' fingerprints (input_fingerprints)
+    changes: dict  # the options and inputs a resume changed, {name: [old, new]}
 
 
 @dataclass(frozen=True)
-class Engines:
-    rollout: Any  # the rollout engine on engine ranks, None on their TP peers
-    eval: Any  # the engine evaluations use (the rollout engine, or an fp32 copy with --eval-dtype fp32)
+class Models:
+    """The trained models and their optimisers."""
+
+    policy: Any
+    critic: Any  # the value model (Plan.critic), else None
+    ref: Any  # the frozen initial policy with --kl, else None
+    opts: dict  # "policy" (and "critic") AdamW
+    path: str  # the folder the policy was loaded from (the engines load it too)
+    baseline: PromptBaseline | None  # the per-prompt reward table (Plan.prompt_baseline; in the checkpoint)
+
+
+@dataclass
+class Progress:
+    """The loop's counters, written as the run goes (and restored by a resume)."""
+
+    start: int  # the step the run starts at (a resume's checkpoint step)
+    saved_at: int  # the step of the newest checkpoint
+    synced: int  # the updates in the rollout engine's weights (--sync-every: staleness = step - synced)
+    bad: dict  # consecutive skipped updates per model (update.check_finite)
+    fresh_head: bool  # a new critic: its head is set to the mean reward of the first batch
+
+
+@dataclass(frozen=True)
+class Generation:
+    """How the run generates: its engines, the task and tokenizer, the sampling, and the row sizes that follow."""
+
+    rollout_engine: Any  # on engine ranks; None on their TP peers
+    eval_engine: Any  # the rollout engine, or an fp32 copy with --eval-dtype fp32
+    task: Task
+    tok: Any
     sampling: Sampling
     play: Any  # multi-turn: play(engine, rows, sampling) -> agent.Episodes; None for single-turn tasks
     max_len: int  # the model-token budget of a row (the Dr. GRPO denominator): a turn's, or the episode's (turns + 1)
@@ -114,8 +130,11 @@ def setup(cfg: Config) -> Run:
     mesh = make_mesh(rt, cfg.tp)
     tp_mesh = mesh["tp"] if mesh else None
     ckpt = latest_checkpoint(cfg.out_dir, cfg.algo)
-    changes = check_resume(cfg, ckpt, rt.world_size) if ckpt else check_fresh_start(cfg.out_dir, cfg.algo) or {}
-    group = 1 if cfg.compact_at else plan["n"]
+    if ckpt:
+        changes = check_resume(cfg, ckpt, rt.world_size)
+    else:
+        changes = check_fresh_start(cfg.out_dir, cfg.algo) or {}
+    group = 1 if cfg.compact_at else plan.n
     return Run(
         cfg,
         rt,
@@ -126,17 +145,17 @@ def setup(cfg: Config) -> Run:
         fsdp=mesh["dp"] if mesh and cfg.fsdp else None,
         engine_rank=tp_mesh is None or tp_mesh.get_local_rank() == 0,
         ckpt=ckpt,
-        changes=changes,
-        inputs={},
+        option_changes=changes,
         group=group,
         share=cfg.shared_prefix and group > 1,
+        fwd=Forward(cfg.temperature, cfg.top_k, cfg.top_p, cfg.train_dtype == "bf16", cfg.routing_replay),
         lock=lock,
     )
 
 
-def load_task(run: Run):
-    """(task, tokenizer, model folder). A bad task, data file or row fails here, and a resume's changed inputs
-    (runlog.check_inputs), before any model is built; the default model is built (rank 0) on first use."""
+def load_task(run: Run) -> tuple[Task, Any, str, Inputs]:
+    """(task, tokenizer, model folder, inputs). A bad task, data file or row fails here, and a resume's changed inputs
+    (checkpoint.check_inputs), before any model is built; the default model is built (rank 0) on first use."""
     cfg = run.cfg
     task = get_task(
         cfg.task,
@@ -149,38 +168,39 @@ def load_task(run: Run):
         user_timeout=cfg.user_timeout,
     )
     if cfg.env:
-        task.env, task.max_turns = load_env(cfg.env), DEFAULT_MAX_TURNS
-    task.env = text_env(task, cfg)  # a tool environment (TRL's form) is played as a text one: tools.ToolEpisode
-    run.inputs.update(input_fingerprints(cfg, task))
+        task.env = load_env(cfg.env)
+        task.max_turns = DEFAULT_MAX_TURNS
+    # A tool environment (TRL's form) is played as a text one: tools.ToolEpisode.
+    limits = ToolLimits(calls_per_turn=cfg.tool_calls_per_turn, timeout=cfg.tool_timeout)
+    source = f"--env {cfg.env}" if cfg.env else f"--task {cfg.task}"
+    task.env = text_env(task, cfg.tool_parser, limits, cfg.max_turns or task.max_turns, source)
+    fingerprints = input_fingerprints(cfg, task)
+    changes = dict(run.option_changes)
     if run.ckpt:
-        run.changes.update(check_inputs(cfg, run.inputs, run.changes))
+        changes.update(check_inputs(cfg, fingerprints, run.option_changes))
     model_path = cfg.model
     if not model_path:
         from data.tiny import default_model
 
-        kind = (
-            cfg.task if cfg.task in ("addition", "sort", "guess", "walk", "calc") else "addition"
-        )  # the built-in tasks have their own warm-up
+        kind = cfg.task if cfg.task in ("addition", "sort", "guess", "walk", "calc") else "addition"  # own warm-ups
+        cache = os.path.join(REPO, ".cache")
         if run.rt.rank == 0:
-            default_model(os.path.join(REPO, ".cache"), task=kind, arch=cfg.tiny)  # the other ranks find it cached
+            default_model(cache, task=kind, arch=cfg.tiny)  # the other ranks find it cached
         if dist.is_initialized():
             dist.barrier()
-        model_path = default_model(os.path.join(REPO, ".cache"), task=kind, arch=cfg.tiny)
-    return task, check_model(cfg, model_path, task), model_path
+        model_path = default_model(cache, task=kind, arch=cfg.tiny)
+    return task, check_model(cfg, model_path, task), model_path, Inputs(fingerprints, changes)
 
 
-def build_models(run: Run, model_path: str, task) -> Models:
-    """Policy, critic (PPO), frozen reference (--kl) and optimisers, sharded by the plan; restored from the checkpoint
-    when resuming."""
+def build_models(run: Run, model_path: str, task: Task) -> tuple[Models, Progress]:
+    """Policy, critic, frozen reference (--kl) and optimisers, sharded by the plan, and the loop's counters; restored
+    from the checkpoint when resuming."""
     cfg, rt = run.cfg, run.rt
     path = os.path.join(run.ckpt, "policy") if run.ckpt else model_path
     torch.manual_seed(cfg.seed)
-    policy = moe.install(
-        load_policy(path, "the checkpoint" if run.ckpt else "--model").to(rt.device)
-    )  # MoE: record / replay routing
-    check_head(
-        policy
-    )  # on the plain model: a forward under FSDP would leave the root's weights gathered as the optimiser's
+    policy = load_policy(path, "the checkpoint" if run.ckpt else "--model").to(rt.device)
+    policy = moe.install(policy)  # MoE: record / replay routing
+    check_head(policy)  # on the plain model: a forward under FSDP would leave the root's weights gathered
     if run.share and policy.config._attn_implementation != "sdpa":
         raise ValueError(
             f"--shared-prefix needs SDPA attention (a boolean block mask); the model uses "
@@ -189,64 +209,45 @@ def build_models(run: Run, model_path: str, task) -> Models:
     policy = parallelize(policy, run.tp_mesh, run.fsdp)
     opts = {"policy": torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)}
     critic = ref = None
-    if cfg.algo == "ppo":
-        critic = (
-            load_critic(os.path.join(run.ckpt, "critic"), torch.float32)
-            if run.ckpt
-            else build_critic(model_path, dtype=torch.float32)
-        )
+    if run.plan.critic:
+        if run.ckpt:
+            critic = load_critic(os.path.join(run.ckpt, "critic"), torch.float32)
+        else:
+            critic = build_critic(model_path, dtype=torch.float32)
         if cfg.freeze_critic_attention:
             freeze_attention(critic)
         critic = parallelize(critic.to(rt.device), run.tp_mesh, run.fsdp)
-        opts["critic"] = torch.optim.AdamW(
-            [p for p in critic.parameters() if p.requires_grad], lr=run.plan["critic_lr_used"], weight_decay=0.0
-        )
+        trained = [p for p in critic.parameters() if p.requires_grad]
+        opts["critic"] = torch.optim.AdamW(trained, lr=run.plan.critic_lr_used, weight_decay=0.0)
     if cfg.kl != "none":  # the frozen initial policy, also on resume
         ref = moe.install(load_policy(model_path).to(rt.device).requires_grad_(False))
         ref = parallelize(ref, run.tp_mesh, run.fsdp).eval()
-    models = Models(
-        policy,
-        critic,
-        ref,
-        opts,
-        path,
-        start=0,
-        bad={k: 0 for k in opts},
-        fresh_head=critic is not None and not run.ckpt,
-        saved_at=0,
-        baseline=PromptBaseline(cfg.baseline_window, keys=prompt_keys(task.train)) if cfg.algo == "reinforce" else None,
-    )
+    baseline = None
+    if run.plan.prompt_baseline:
+        baseline = PromptBaseline(cfg.baseline_window, keys=prompt_keys(task.train))
+    progress = Progress(start=0, saved_at=0, synced=0, bad={k: 0 for k in opts}, fresh_head=critic is not None)
     if run.ckpt:
         state = load_trainer_state(run.ckpt, rt.rank, rt.world_size, opts)
-        if (
-            models.baseline and state.get("baseline_keys") != PromptBaseline.KEYS
-        ):  # older: keyed by row; resuming would change the run
-            raise ValueError(
-                f"{run.ckpt}: its --algo reinforce baseline is keyed by train row, not prompt: use a new --out-dir"
-            )
-        models.baseline = models.baseline and PromptBaseline(
-            cfg.baseline_window, state["baseline"], models.baseline.keys
-        )
-        models.start = models.saved_at = models.synced = state[
-            "step"
-        ]  # the engine loads the checkpoint's weights: a re-sync
-        if (
-            models.start % cfg.sync_every
-        ):  # a SIGTERM's checkpoint between syncs (rollout/staleness records it; docs/engines.md)
+        if baseline is not None:
+            if state.get("baseline_keys") != PromptBaseline.KEYS:  # older: keyed by row; resuming changes the run
+                raise ValueError(
+                    f"{run.ckpt}: its --algo reinforce baseline is keyed by train row, not prompt: use a new --out-dir"
+                )
+            baseline = PromptBaseline(cfg.baseline_window, state["baseline"], baseline.keys)
+        # The engine loads the checkpoint's weights: a re-sync.
+        progress = Progress(state["step"], state["step"], state["step"], state["bad_steps"], fresh_head=False)
+        if progress.start % cfg.sync_every:  # a SIGTERM's checkpoint between syncs (rollout/staleness; docs/engines.md)
             print0(
-                f"resume: the engine starts from step {models.start}'s weights, fresher than an uninterrupted --sync-every {cfg.sync_every} run's"
+                f"resume: the engine starts from step {progress.start}'s weights, fresher than an uninterrupted "
+                f"--sync-every {cfg.sync_every} run's"
             )
-        models.bad = state["bad_steps"]
-        for k, lr in (
-            ("policy", cfg.lr),
-            ("critic", run.plan["critic_lr_used"]),
-        ):  # a changed --lr / --critic-lr applies
+        for k, lr in (("policy", cfg.lr), ("critic", run.plan.critic_lr_used)):  # a changed --lr / --critic-lr applies
             for group in opts[k].param_groups if k in opts else []:
                 group["lr"] = lr
-    return models
+    return Models(policy, critic, ref, opts, path, baseline), progress
 
 
-def build_engines(run: Run, models: Models, task, tok) -> Engines:
+def build_generation(run: Run, models: Models, task: Task, tok) -> Generation:
     """The rollout engine (engine ranks), the evaluation engine, the sampling settings and the multi-turn driver."""
     cfg, device = run.cfg, run.rt.device
     engine = make_engine(cfg, models.path, device) if run.engine_rank else None
@@ -259,12 +260,14 @@ def build_engines(run: Run, models: Models, task, tok) -> Engines:
         cfg.top_p,
         cfg.max_new_tokens or task.max_new_tokens,
         stop_ids(tok, task.env),
-        run.plan["n"],
+        run.plan.n,
         cfg.seed,
     )
+    budget = sampling.max_new_tokens
     if task.env is None:
-        return Engines(engine, eval_engine, sampling, None, sampling.max_new_tokens, sampling.max_new_tokens)
-    turns, context = cfg.max_turns or task.max_turns, models.policy.config.max_position_embeddings
+        return Generation(engine, eval_engine, task, tok, sampling, None, budget, budget)
+    turns = cfg.max_turns or task.max_turns
+    context = models.policy.config.max_position_embeddings
 
     def play(eng, rows, s, **vine):
         return run_episodes(
@@ -280,42 +283,71 @@ def build_engines(run: Run, models: Models, task, tok) -> Engines:
             **vine,
         )
 
-    return Engines(engine, eval_engine, sampling, play, (turns + 1) * sampling.max_new_tokens, context)
+    return Generation(engine, eval_engine, task, tok, sampling, play, (turns + 1) * budget, context)
 
 
-def start_log(run: Run, models: Models, engines: Engines, task, tok, model_path: str) -> RunLog:
+def start_log(run: Run, progress: Progress, gen: Generation, model_path: str, inputs: Inputs) -> RunLog:
     """The run log (a fresh run drops whatever an earlier, killed attempt logged) and, on a fresh run, the "before RL"
     evaluation."""
     cfg, plan = run.cfg, run.plan
     log = RunLog(
         cfg.out_dir,
         run.rt.rank,
-        {**asdict(cfg), **plan, "model_path": model_path},
-        models.start if run.ckpt else -1,
-        cfg.wandb,
-        cfg.tensorboard,
-        run.changes,
-        run.inputs,
+        {**asdict(cfg), **record(plan), "model_path": model_path},
+        progress.start if run.ckpt else -1,
+        cfg.report_to == "wandb",
+        cfg.report_to == "tensorboard",
+        inputs.changes,
+        inputs.fingerprints,
     )
+    how = f"resuming at step {progress.start}" if run.ckpt else "starting"
     print0(
-        f"{'resuming at step ' + str(models.start) if run.ckpt else 'starting'}: {cfg.algo} + {cfg.correction}, model {model_path}, "
-        f"world {run.rt.world_size} (dp {plan['dp']} x tp {cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}"
+        f"{how}: {cfg.algo} + {cfg.correction}, model {model_path}, world {run.rt.world_size} (dp {plan.dp} x tp "
+        f"{cfg.tp}), {cfg.rollout_batch} completions/step, run folder {cfg.out_dir}"
     )
     if run.ckpt is None:
-        before, records = evaluate(
-            engines.eval, tok, task, cfg, engines.sampling, run.dp_rank, plan["dp"], engines.play
-        )
+        before, records = evaluate_policy(run, gen)
         log.log({"step": 0, **before})
         log.samples(0, records)
         print0(
             f"before RL: greedy accuracy {before['eval/greedy_acc']:.1%}, sampled {before['eval/sampled_acc']:.1%} "
-            f"on {min(cfg.eval_size, len(task.test))} held-out problems"
+            f"on {min(cfg.eval_size, len(gen.task.test))} held-out problems"
         )
-    log.start_progress(cfg.steps, models.start)
+    log.start_progress(cfg.steps, progress.start)
     return log
 
 
-def save(run: Run, models: Models, tok, step: int) -> None:
+def record(plan: Plan) -> dict:
+    """The plan's sizes, as config.json records them beside the options (its properties follow from --algo)."""
+    return {
+        "dp": plan.dp,
+        "n": plan.n,
+        "rows": plan.rows,
+        "prompts": plan.prompts,
+        "critic_lr_used": plan.critic_lr_used,
+    }
+
+
+def evaluate_policy(run: Run, gen: Generation) -> tuple[dict, list[dict]]:
+    """evaluation.evaluate with the run's --eval-size and --eval-samples on the evaluation engine."""
+    return evaluate(
+        gen.eval_engine,
+        gen.tok,
+        gen.task,
+        gen.sampling,
+        size=run.cfg.eval_size,
+        samples=run.cfg.eval_samples,
+        dp_rank=run.dp_rank,
+        dp=run.plan.dp,
+        play=gen.play,
+    )
+
+
+def save(run: Run, models: Models, progress: Progress, tok, step: int) -> None:
+    """The checkpoint of `step` (checkpoint.save_checkpoint): the models, optimisers and the loop's counters."""
+    extra = {"bad_steps": dict(progress.bad), "tp": run.cfg.tp}
+    if models.baseline is not None:
+        extra.update(baseline=models.baseline.table, baseline_keys=PromptBaseline.KEYS)
     save_checkpoint(
         run.cfg.out_dir,
         step,
@@ -326,13 +358,9 @@ def save(run: Run, models: Models, tok, step: int) -> None:
         critic=models.critic,
         tokenizer=tok,
         optimizers=models.opts,
-        extra={
-            "bad_steps": dict(models.bad),
-            "tp": run.cfg.tp,
-            **({"baseline": models.baseline.table, "baseline_keys": PromptBaseline.KEYS} if models.baseline else {}),
-        },
+        extra=extra,
     )
-    models.saved_at = step
+    progress.saved_at = step
 
 
 # ----------------------------------------------------------------------------- engines
@@ -341,7 +369,7 @@ def save(run: Run, models: Models, tok, step: int) -> None:
 SGLANG_GPU_MEM_FRACTION = 0.4
 
 
-def make_engine(cfg, path: str, device: torch.device) -> Engine:
+def make_engine(cfg: Config, path: str, device: torch.device) -> Engine:
     """The rollout engine of a run: --engine, --engine-dtype, --kv-cache-dtype, --seed (and the embedded engine's
     --moe-flip, --prefix-cache)."""
     if cfg.engine == "sglang":

@@ -60,13 +60,9 @@ class Config:
     <tool_call>name<arg_key>..</arg_key><arg_value>..</arg_value></tool_call>, turns also ending at <|observation|>."""
     tool_calls_per_turn: int = 4
     """A tool environment: the calls run per model turn (each further one answers an error)."""
-    tool_calls_per_episode: int = 16
-    """A tool environment: the calls run per episode (each further one answers an error)."""
     tool_timeout: float = 10.0
     """A tool environment: seconds a tool call may take (the python tool is killed at its own limit, PythonLimits; a
     tool of yours past it stops the run, naming it)."""
-    tool_output_chars: int = 2000
-    """A tool environment: a tool's answer is cut to this many characters."""
     reward: str = ""
     """Reward: '' = the task's default (exact match), 'exact', 'math' (final answer checked by math-verify),
     'path/to/file.py:function' or 'package.module:function' (docs/byo.md)."""
@@ -91,13 +87,9 @@ class Config:
     correction: Literal["icepop", "tis", "geo", "dis", "none"] = "icepop"
     """Train-inference mismatch correction: IcePop token masking, truncated IS, geometric sequence mask, DIS loss, none."""
     icepop_low: float = 0.5
-    """IcePop band lower bound alpha on k = pi_old / pi_infer (also the geo mask's)."""
+    """The correction's band on k = pi_old / pi_infer, lower bound alpha: IcePop and the geo mask mask outside it."""
     icepop_high: float = 2.0
-    """IcePop band upper bound beta (GLM-5: 2; Ring-1T: 5)."""
-    tis_cap: float = 2.0
-    """TIS weight cap C."""
-    drop_masked_from_denominator: bool = False
-    """verl's rejection form: tokens the correction zeroes also leave the loss denominator."""
+    """The band's upper bound beta (GLM-5: 2; Ring-1T: 5); TIS truncates its weights at it (the cap C)."""
     kl: Literal["none", "k1-reward", "k3-loss"] = "none"
     """KL to the frozen initial policy: none (GLM-5), a k1 penalty in the reward, or a k3 loss term."""
     kl_coef: float = 0.01
@@ -105,9 +97,8 @@ class Config:
     gamma: float = 1.0
     """Discount."""
     lam_policy: float = 0.95
-    """GAE lambda of the policy's advantages (decoupled from the critic's, VC-PPO)."""
-    lam_critic: float = 1.0
-    """GAE lambda of the critic's targets."""
+    """GAE lambda of the policy's advantages, decoupled from the critic's targets, which use lambda 1 (VC-PPO: Monte
+    Carlo returns, unbiased however wrong the values)."""
     adaptive_lambda: float = 0.0
     """> 0: length-adaptive policy lambda = 1 - 1/(alpha L) with this alpha (VAPO 0.05)."""
     whiten_advantages: bool = True
@@ -157,8 +148,6 @@ class Config:
     critic_context() returns after reset (multi-turn). Unbiased only if the critic also sees the history."""
     value_clip: float = 0.2
     """Value clipping epsilon; 0 = off."""
-    value_scale: float = 0.5
-    """Value-loss coefficient."""
     max_grad_norm: float = 1.0
     """Gradient clipping (policy and critic separately)."""
     max_bad_steps: int = 3
@@ -223,29 +212,133 @@ class Config:
     """Checkpoint every N steps (and at the end)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk."""
-    wandb: bool = False
-    """Also log to Weights & Biases (needs wandb installed)."""
-    tensorboard: bool = False
-    """Also log to TensorBoard (needs tensorboard installed)."""
+    report_to: Literal["none", "wandb", "tensorboard"] = "none"
+    """Also log to Weights & Biases or TensorBoard (needs that package installed); metrics.jsonl is always written."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What resolve() derives from the options and the world, once, before any work. The loop reads the algorithm's
+    properties here (critic, grouped, monte_carlo, prompt_baseline); only train_ppo.advantages names the algorithm."""
+
+    dp: int  # data-parallel replicas: world size / --tp
+    n: int  # samples per prompt (--n-samples, or the algorithm's default)
+    rows: int  # rollouts per dp rank and step
+    prompts: int  # prompts per dp rank and step: rows / n
+    critic_lr_used: float  # --critic-lr, or 5 x --lr
+    multi_turn: bool  # episodes played by an environment (--env, or a built-in multi-turn task)
+    tool_env: bool  # that environment is a tool environment (tools.ToolEpisode)
+    critic: bool  # a value model is trained (ppo)
+    grouped: bool  # rows are judged in groups of n: a group needs >= 2 rewarded rows (grpo)
+    monte_carlo: bool  # Monte Carlo continuations from the engine's snapshots, after the rollout (vine)
+    prompt_baseline: bool  # a running-mean reward per prompt is kept across steps (reinforce)
 
 
 def _multi_turn(cfg: Config) -> bool:
     return bool(cfg.env) or cfg.task in ("guess", "walk", "calc")  # the built-in multi-turn tasks (data/tasks.py)
 
 
-def resolve(cfg: Config, world_size: int) -> dict:
-    """Validate the config against the world and derive the per-rank sizes, before any expensive work."""
+def resolve(cfg: Config, world_size: int) -> Plan:
+    """Validate the options against each other and the world, before any expensive work, and derive the plan. Every
+    problem found is reported at once, each naming its flags."""
+    dp = max(world_size // cfg.tp, 1)
+    n = cfg.n_samples or (4 if cfg.algo == "grpo" else 1)
+    rows = cfg.rollout_batch // dp
+    tool_env, env_errors = _tool_env(cfg)
+    plan = Plan(
+        dp=dp,
+        n=n,
+        rows=rows,
+        prompts=rows // n,
+        critic_lr_used=cfg.critic_lr or 5 * cfg.lr,
+        multi_turn=_multi_turn(cfg),
+        tool_env=tool_env,
+        critic=cfg.algo == "ppo",
+        grouped=cfg.algo == "grpo",
+        monte_carlo=cfg.algo == "vine",
+        prompt_baseline=cfg.algo == "reinforce",
+    )
+    errors = [
+        *check_sizes(cfg, plan, world_size),
+        *check_algorithm(cfg, plan),
+        *check_numbers(cfg, plan),
+        *check_engine(cfg),
+        *check_data(cfg),
+        *env_errors,
+        *check_multi_turn(cfg, plan),
+        *check_outputs(cfg),
+    ]
+    if errors:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
+    return plan
+
+
+def _tool_env(cfg: Config) -> tuple[bool, list[str]]:
+    """(whether the run's environment is a tool environment, the errors of loading --env). Loading runs the
+    environment file's top level: its errors are named here, before any work."""
+    if not cfg.env:
+        return cfg.task == "calc", []  # calc: the built-in tool environment
+    try:
+        return is_tool_env(load_env(cfg.env)), []
+    except ValueError as e:
+        return False, [str(e)]
+
+
+def check_sizes(cfg: Config, plan: Plan, world_size: int) -> list[str]:
+    """The batch against the launch: --tp, --rollout-batch, --minibatches, --fsdp, and the counts that must be >= 1."""
     errors = []
     if world_size % cfg.tp:
         errors.append(f"--tp {cfg.tp} does not divide the {world_size} processes")
-    dp = max(world_size // cfg.tp, 1)
-    n = cfg.n_samples or (4 if cfg.algo == "grpo" else 1)
-    if cfg.algo == "grpo" and n < 2:
+    if cfg.rollout_batch % (plan.n * plan.dp):
+        errors.append(
+            f"--rollout-batch {cfg.rollout_batch} must split into groups of {plan.n} samples over {plan.dp} "
+            "data-parallel ranks"
+        )
+    if plan.rows % cfg.minibatches or plan.rows < cfg.minibatches:
+        errors.append(f"{plan.rows} rows per rank do not split into --minibatches {cfg.minibatches}")
+    counts = (
+        "steps",
+        "ppo_epochs",
+        "minibatches",
+        "micro_batch",
+        "critic_updates",
+        "eval_every",
+        "save_every",
+        "keep_checkpoints",
+        "max_bad_steps",
+        "eval_size",
+        "eval_samples",
+        "sync_every",
+    )
+    errors += [f"--{name.replace('_', '-')} must be >= 1" for name in counts if getattr(cfg, name) < 1]
+    if cfg.n_samples < 0 or cfg.max_new_tokens < 0:
+        errors.append(
+            f"--n-samples and --max-new-tokens must be >= 0 (0 = the default), got {cfg.n_samples} and "
+            f"{cfg.max_new_tokens}"
+        )
+    if cfg.fsdp and plan.dp < 2:
+        errors.append(
+            f"--fsdp shards over data-parallel ranks and this launch has {plan.dp}: start at least 2 per replica "
+            f"(torchrun --nproc_per_node {2 * cfg.tp}), or leave --fsdp off"
+        )
+    if cfg.fsdp and cfg.compact_at:
+        errors.append(
+            "--fsdp with --compact-at is not supported: compaction gives data-parallel ranks different numbers of "
+            "rows, and FSDP needs every rank to run the same forwards"
+        )
+    return errors
+
+
+def check_algorithm(cfg: Config, plan: Plan) -> list[str]:
+    """What each algorithm needs and refuses: GRPO's groups, vine's states and rewards, the KL forms, a critic's
+    context, reinforce's window, critic pretraining."""
+    errors = []
+    if plan.grouped and plan.n < 2:
         errors.append("--algo grpo needs --n-samples >= 2 (a group of one has no baseline)")
-    if cfg.algo == "vine":
+    if plan.monte_carlo:
         if cfg.vine_k < 1 or cfg.vine_every < 1:
             errors.append(f"--vine-k and --vine-every must be >= 1, got {cfg.vine_k} and {cfg.vine_every}")
-        if cfg.vine_every != 1 and _multi_turn(cfg):
+        if cfg.vine_every != 1 and plan.multi_turn:
             errors.append(
                 f"--vine-every {cfg.vine_every} with a multi-turn task: its states are the starts of the model turns "
                 "(states inside a turn are not implemented); leave --vine-every 1"
@@ -262,62 +355,39 @@ def resolve(cfg: Config, world_size: int) -> dict:
                 "--compact-at with --algo vine is not supported (a continuation would have to replay compaction); "
                 "leave --compact-at 0"
             )
-    if cfg.rollout_batch % (n * dp):
-        errors.append(
-            f"--rollout-batch {cfg.rollout_batch} must split into groups of {n} samples over {dp} data-parallel ranks"
-        )
-    rows = cfg.rollout_batch // dp
-    if rows % cfg.minibatches or rows < cfg.minibatches:
-        errors.append(f"{rows} rows per rank do not split into --minibatches {cfg.minibatches}")
     if cfg.kl != "none" and cfg.kl_coef <= 0:
         errors.append(f"--kl {cfg.kl} needs --kl-coef > 0")
-    if cfg.dual_clip and cfg.dual_clip <= 1:
-        errors.append(f"--dual-clip must be > 1 (or 0 = off), got {cfg.dual_clip}")
-    if not 0 < cfg.icepop_low < 1 < cfg.icepop_high:
-        errors.append(f"the IcePop band must satisfy 0 < low < 1 < high, got [{cfg.icepop_low}, {cfg.icepop_high}]")
-    if cfg.critic_context != "policy" and cfg.algo != "ppo":
+    if cfg.critic_context != "policy" and not plan.critic:
         errors.append(f"--critic-context {cfg.critic_context} needs a critic: --algo {cfg.algo} has none")
-    if cfg.critic_context == "env" and not _multi_turn(cfg):
+    if cfg.critic_context == "env" and not plan.multi_turn:
         errors.append(
             "--critic-context env needs a multi-turn task (--env, or --task guess): its environment's critic_context()"
         )
     if cfg.baseline_window < 1:
         errors.append(f"--baseline-window must be >= 1, got {cfg.baseline_window}")
-    if cfg.algo == "reinforce" and cfg.kl == "k1-reward":
+    if plan.prompt_baseline and cfg.kl == "k1-reward":
         errors.append(
             "--kl k1-reward with --algo reinforce is refused: its advantage is the row's outcome reward minus a "
             "per-prompt mean, with no per-token rewards; use --kl k3-loss"
         )
     if cfg.critic_pretrain < 0:
         errors.append(f"--critic-pretrain must be >= 0 (0 = off), got {cfg.critic_pretrain}")
-    for name in (
-        "steps",
-        "ppo_epochs",
-        "minibatches",
-        "micro_batch",
-        "critic_updates",
-        "eval_every",
-        "save_every",
-        "keep_checkpoints",
-        "max_bad_steps",
-        "eval_size",
-        "eval_samples",
-        "sync_every",
-    ):
-        if getattr(cfg, name) < 1:
-            errors.append(f"--{name.replace('_', '-')} must be >= 1")
-    if (
-        cfg.sync_every > 1 and cfg.save_every % cfg.sync_every
-    ):  # a checkpoint between syncs would resume with fresher weights
+    if cfg.compact_at and plan.grouped:
         errors.append(
-            f"--save-every {cfg.save_every} must be a multiple of --sync-every {cfg.sync_every}: a resume loads the checkpoint's "
-            "weights into the engine, which an uninterrupted run would not have until its next sync"
+            "--compact-at with --algo grpo is refused: a compacted episode is several rows, and GRPO's groups are "
+            "rows of one prompt; use --algo ppo (every row carries its episode's return)"
         )
-    if cfg.sync_every > 1 and cfg.eval_dtype == "engine" and cfg.eval_every % cfg.sync_every:
-        errors.append(
-            f"--eval-every {cfg.eval_every} must be a multiple of --sync-every {cfg.sync_every} (the evaluation samples the rollout "
-            "engine, whose weights would be stale), or evaluate an fp32 copy of the policy: --eval-dtype fp32"
-        )
+    return errors
+
+
+def check_numbers(cfg: Config, plan: Plan) -> list[str]:
+    """The ranges of the numeric options: learning rates, the clip and correction bands, discounts, timeouts, the
+    sampling values (checked by Sampling itself, named here by their flags)."""
+    errors = []
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        errors.append(f"--dual-clip must be > 1 (or 0 = off), got {cfg.dual_clip}")
+    if not 0 < cfg.icepop_low < 1 < cfg.icepop_high:
+        errors.append(f"the IcePop band must satisfy 0 < low < 1 < high, got [{cfg.icepop_low}, {cfg.icepop_high}]")
     if not 0 < cfg.clip_low < 1 or not 0 < cfg.clip_high:
         errors.append(f"--clip-low must be in (0, 1) and --clip-high > 0, got {cfg.clip_low} and {cfg.clip_high}")
     ranges = {
@@ -326,12 +396,9 @@ def resolve(cfg: Config, world_size: int) -> dict:
         "max-grad-norm": (cfg.max_grad_norm, cfg.max_grad_norm > 0, "> 0 (0 would zero every update)"),
         "gamma": (cfg.gamma, 0 < cfg.gamma <= 1, "in (0, 1]"),
         "lam-policy": (cfg.lam_policy, 0 <= cfg.lam_policy <= 1, "in [0, 1]"),
-        "lam-critic": (cfg.lam_critic, 0 <= cfg.lam_critic <= 1, "in [0, 1]"),
         "adaptive-lambda": (cfg.adaptive_lambda, cfg.adaptive_lambda >= 0, ">= 0"),
         "kl-coef": (cfg.kl_coef, cfg.kl_coef >= 0, ">= 0"),
-        "tis-cap": (cfg.tis_cap, cfg.tis_cap > 0, "> 0"),
         "value-clip": (cfg.value_clip, cfg.value_clip >= 0, ">= 0 (0 = off)"),
-        "value-scale": (cfg.value_scale, cfg.value_scale > 0, "> 0"),
         "user-timeout": (cfg.user_timeout, cfg.user_timeout >= 0, ">= 0 (seconds; 0 = no limit)"),
     }
     errors += [
@@ -339,14 +406,105 @@ def resolve(cfg: Config, world_size: int) -> dict:
         for flag, (v, ok, want) in ranges.items()
         if not (ok and math.isfinite(v))
     ]
-    if cfg.n_samples < 0 or cfg.max_new_tokens < 0:
-        errors.append(
-            f"--n-samples and --max-new-tokens must be >= 0 (0 = the default), got {cfg.n_samples} and {cfg.max_new_tokens}"
-        )
     try:  # the sampling values the engines check, here before any work, named by their flags
-        Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or 1, (), max(n, 1), cfg.seed)
+        Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens or 1, (), max(plan.n, 1), cfg.seed)
     except ValueError as e:
         errors.append(re.sub(r"Sampling\.(\w+)", lambda x: "--" + x.group(1).replace("_", "-"), str(e)))
+    if not 0 <= cfg.moe_flip <= 1:
+        errors.append(f"--moe-flip must be a probability in [0, 1], got {cfg.moe_flip}")
+    return errors
+
+
+def check_engine(cfg: Config) -> list[str]:
+    """The rollout engine's options: what SGLang can and cannot do, and that it is installed."""
+    if cfg.engine != "sglang":
+        return []
+    errors = []
+    if cfg.moe_flip:
+        errors.append("--moe-flip is a knob of the embedded engine (--engine embedded)")
+    if cfg.prefix_cache:
+        errors.append("--prefix-cache is the embedded engine's (--engine embedded); SGLang keeps its own prefix cache")
+    if cfg.engine_dtype in ("fp8", "int4"):
+        errors.append(
+            f"--engine sglang takes --engine-dtype fp32 or bf16 ({cfg.engine_dtype} fake-quantised weights are the "
+            "embedded engine's; SGLang 0.5.23 has no on-the-fly weight quantisation that update_weights can refresh)"
+        )
+    if cfg.kv_cache_dtype == "fp8" and not torch.cuda.is_available():
+        errors.append(
+            "--kv-cache-dtype fp8 with --engine sglang needs CUDA (SGLang's CPU mode has no fp8 KV cache "
+            "with its torch_native attention)"
+        )
+    try:
+        import sglang  # noqa: F401
+    except ImportError as e:
+        errors.append(f"--engine sglang needs SGLang installed (see docs/engines.md): {e}")
+    return errors
+
+
+def check_data(cfg: Config) -> list[str]:
+    """The model folder, the data's columns and splits, the held-out set, the reward (its file's top level runs
+    here, so its errors are named before any work)."""
+    errors = []
+    if cfg.model and not os.path.isfile(os.path.join(cfg.model, "config.json")):
+        errors.append(
+            f"--model {cfg.model!r} is not a Hugging Face model folder (no config.json); hub names must be "
+            "downloaded first"
+        )
+    if cfg.tiny != "dense" and cfg.model:
+        errors.append(f"--tiny {cfg.tiny} picks the embedded default model; it cannot go with --model {cfg.model}")
+    for flag in ("split", "prompt_key", "answer_key", "eval_split"):
+        if not getattr(cfg, flag).strip():
+            errors.append(f"--{flag.replace('_', '-')} must not be empty")
+    if cfg.prompt_key == cfg.answer_key:
+        errors.append(f"--prompt-key and --answer-key must name different columns, both are {cfg.prompt_key!r}")
+    if cfg.eval_task and cfg.eval_task == cfg.task and cfg.eval_split == cfg.split:
+        errors.append(
+            f"--eval-task {cfg.eval_task!r} is --task with the same split: the held-out set would be the train set"
+        )
+    try:
+        load_reward(cfg.reward)
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def check_multi_turn(cfg: Config, plan: Plan) -> list[str]:
+    """The options of multi-turn tasks and tool environments: turns, compaction, rewards, tool limits, routing replay."""
+    errors = []
+    tool_flags = [
+        f"--{f.name.replace('_', '-')}"
+        for f in fields(Config)
+        if f.name.startswith("tool_") and getattr(cfg, f.name) != f.default
+    ]
+    if tool_flags and not plan.tool_env:
+        errors.append(
+            f"{', '.join(tool_flags)}: only for a tool environment (--env with reset(**row) and tools as methods, "
+            "no step)"
+        )
+    if cfg.tool_calls_per_turn < 1 or cfg.tool_timeout <= 0:
+        errors.append("--tool-calls-per-turn must be >= 1 and --tool-timeout > 0")
+    if cfg.max_turns < 0 or cfg.compact_at < 0:
+        errors.append(
+            f"--max-turns and --compact-at must be >= 0 (0 = the default / off), got {cfg.max_turns} and "
+            f"{cfg.compact_at}"
+        )
+    if not plan.multi_turn and (cfg.max_turns or cfg.compact_at):
+        errors.append("--max-turns and --compact-at apply to multi-turn tasks: give --env (or --task guess)")
+    if plan.multi_turn and cfg.reward and not plan.tool_env:
+        errors.append(f"--reward {cfg.reward!r} with a multi-turn task: the environment's step() gives the rewards")
+    if plan.tool_env and cfg.compact_at:
+        errors.append("--compact-at is not implemented for tool environments")
+    if cfg.routing_replay and (cfg.engine != "embedded" or plan.multi_turn):
+        errors.append(
+            "--routing-replay needs the embedded engine (it records the experts per token) and a single-turn task "
+            "(multi-turn rows re-route their context each turn; replaying one record per token is not implemented)"
+        )
+    return errors
+
+
+def check_outputs(cfg: Config) -> list[str]:
+    """The run folder, checkpoints and evaluations against --sync-every, and the optional loggers."""
+    errors = []
     if not cfg.out_dir.strip():  # '' would write the run (and resume one) in the current folder
         errors.append("--out-dir must not be empty (give the run folder, e.g. outputs/run)")
     elif os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
@@ -357,103 +515,20 @@ def resolve(cfg: Config, world_size: int) -> dict:
             parent = os.path.dirname(os.path.abspath(parent))
         if not os.access(parent, os.W_OK | os.X_OK):
             errors.append(f"--out-dir {cfg.out_dir!r}: {parent!r} is not writable")
-    if cfg.model and not os.path.isfile(os.path.join(cfg.model, "config.json")):
+    if cfg.sync_every > 1 and cfg.save_every % cfg.sync_every:  # a checkpoint between syncs: fresher weights on resume
         errors.append(
-            f"--model {cfg.model!r} is not a Hugging Face model folder (no config.json); hub names must be downloaded first"
+            f"--save-every {cfg.save_every} must be a multiple of --sync-every {cfg.sync_every}: a resume loads the "
+            "checkpoint's weights into the engine, which an uninterrupted run would not have until its next sync"
         )
-    if not 0 <= cfg.moe_flip <= 1:
-        errors.append(f"--moe-flip must be a probability in [0, 1], got {cfg.moe_flip}")
-    if cfg.engine == "sglang":
-        if cfg.moe_flip:
-            errors.append("--moe-flip is a knob of the embedded engine (--engine embedded)")
-        if cfg.prefix_cache:
-            errors.append(
-                "--prefix-cache is the embedded engine's (--engine embedded); SGLang keeps its own prefix cache"
-            )
-        if cfg.engine_dtype in ("fp8", "int4"):
-            errors.append(
-                f"--engine sglang takes --engine-dtype fp32 or bf16 ({cfg.engine_dtype} fake-quantised weights are the "
-                "embedded engine's; SGLang 0.5.23 has no on-the-fly weight quantisation that update_weights can refresh)"
-            )
-        if cfg.kv_cache_dtype == "fp8" and not torch.cuda.is_available():
-            errors.append(
-                "--kv-cache-dtype fp8 with --engine sglang needs CUDA (SGLang's CPU mode has no fp8 KV cache "
-                "with its torch_native attention)"
-            )
-        try:
-            import sglang  # noqa: F401
-        except ImportError as e:
-            errors.append(f"--engine sglang needs SGLang installed (see docs/engines.md): {e}")
-    for flag in ("split", "prompt_key", "answer_key", "eval_split"):
-        if not getattr(cfg, flag).strip():
-            errors.append(f"--{flag.replace('_', '-')} must not be empty")
-    if cfg.prompt_key == cfg.answer_key:
-        errors.append(f"--prompt-key and --answer-key must name different columns, both are {cfg.prompt_key!r}")
-    if cfg.eval_task and cfg.eval_task == cfg.task and cfg.eval_split == cfg.split:
+    if cfg.sync_every > 1 and cfg.eval_dtype == "engine" and cfg.eval_every % cfg.sync_every:
         errors.append(
-            f"--eval-task {cfg.eval_task!r} is --task with the same split: the held-out set would be the train set"
+            f"--eval-every {cfg.eval_every} must be a multiple of --sync-every {cfg.sync_every} (the evaluation "
+            "samples the rollout engine, whose weights would be stale), or evaluate an fp32 copy of the policy: "
+            "--eval-dtype fp32"
         )
-    try:  # runs a reward file's top level: its errors are named here, before any work
-        load_reward(cfg.reward)
-    except ValueError as e:
-        errors.append(str(e))
-    multi_turn, tool_env = _multi_turn(cfg), cfg.task == "calc" and not cfg.env  # calc: a built-in tool environment
-    if cfg.env:
-        try:
-            tool_env = is_tool_env(load_env(cfg.env))
-        except ValueError as e:
-            errors.append(str(e))
-    tool_flags = [
-        f"--{f.name.replace('_', '-')}"
-        for f in fields(Config)
-        if f.name.startswith("tool_") and getattr(cfg, f.name) != f.default
-    ]
-    if tool_flags and not tool_env:
-        errors.append(
-            f"{', '.join(tool_flags)}: only for a tool environment (--env with reset(**row) and tools as methods, no step)"
-        )
-    if min(cfg.tool_calls_per_turn, cfg.tool_calls_per_episode, cfg.tool_output_chars) < 1 or cfg.tool_timeout <= 0:
-        errors.append(
-            "--tool-calls-per-turn, --tool-calls-per-episode and --tool-output-chars must be >= 1 and --tool-timeout > 0"
-        )
-    if cfg.tiny != "dense" and cfg.model:
-        errors.append(f"--tiny {cfg.tiny} picks the embedded default model; it cannot go with --model {cfg.model}")
-    if cfg.routing_replay and (cfg.engine != "embedded" or _multi_turn(cfg)):
-        errors.append(
-            "--routing-replay needs the embedded engine (it records the experts per token) and a single-turn task "
-            "(multi-turn rows re-route their context each turn; replaying one record per token is not implemented)"
-        )
-    if cfg.fsdp and dp < 2:
-        errors.append(
-            f"--fsdp shards over data-parallel ranks and this launch has {dp}: start at least 2 per replica "
-            f"(torchrun --nproc_per_node {2 * cfg.tp}), or leave --fsdp off"
-        )
-    if cfg.fsdp and cfg.compact_at:
-        errors.append(
-            "--fsdp with --compact-at is not supported: compaction gives data-parallel ranks different numbers of "
-            "rows, and FSDP needs every rank to run the same forwards"
-        )
-    if cfg.max_turns < 0 or cfg.compact_at < 0:
-        errors.append(
-            f"--max-turns and --compact-at must be >= 0 (0 = the default / off), got {cfg.max_turns} and {cfg.compact_at}"
-        )
-    if not multi_turn and (cfg.max_turns or cfg.compact_at):
-        errors.append("--max-turns and --compact-at apply to multi-turn tasks: give --env (or --task guess)")
-    if multi_turn and cfg.reward and not tool_env:
-        errors.append(f"--reward {cfg.reward!r} with a multi-turn task: the environment's step() gives the rewards")
-    if tool_env and cfg.compact_at:
-        errors.append("--compact-at is not implemented for tool environments")
-    if cfg.compact_at and cfg.algo == "grpo":
-        errors.append(
-            "--compact-at with --algo grpo is refused: a compacted episode is several rows, and GRPO's groups are "
-            "rows of one prompt; use --algo ppo (every row carries its episode's return)"
-        )
-    for flag, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
-        if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
-            errors.append(f"--{flag} needs the {module} package: pip install {module}")
-    if errors:
-        raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
-    return {"dp": dp, "n": n, "rows": rows, "prompts": rows // n, "critic_lr_used": cfg.critic_lr or 5 * cfg.lr}
+    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
+        errors.append(f"--report-to {cfg.report_to} needs the {cfg.report_to} package: pip install {cfg.report_to}")
+    return errors
 
 
 def check_critic_context(cfg: Config, task) -> None:

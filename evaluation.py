@@ -1,6 +1,6 @@
 """Held-out evaluation, and the rollout-then-score pair the training loop shares with it.
 
-from evaluation import evaluate    # evaluate(engine, tok, task, cfg, sampling, dp_rank, dp) -> (metrics, records)
+metrics, records = evaluate(engine, tok, task, sampling, size=500, samples=1, dp_rank=0, dp=1)
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from dataclasses import asdict
 
 import torch.distributed as dist
 
-from config import Config
 from data.rewards import Scores, majority_correct, pass_at_k, reward_columns, score
 from data.tasks import encode_prompt
 from rollout import Sampling
@@ -33,30 +32,31 @@ def scored(task, tok, rows, n: int, out, play) -> tuple[list, Scores]:
 
 
 def evaluate(
-    engine, tok, task, cfg: Config, sampling: Sampling, dp_rank: int, dp: int, play=None
+    engine, tok, task, sampling: Sampling, *, size: int, samples: int, dp_rank: int, dp: int, play=None
 ) -> tuple[dict[str, float], list[dict]]:
-    """Held-out evaluation on the first eval_size test problems, sharded over the engine ranks, summed over all ranks.
+    """Held-out evaluation on the first `size` test problems (--eval-size), sharded over the engine ranks, summed over
+    all ranks. The greedy completion samples with top-k 1; the sampled ones draw row r from sampling.seed + 7 + r.
 
     eval/greedy_acc and eval/sampled_acc: the mean reward of the greedy (top-1) completion and of the sampled ones
-    (= exact-match accuracy for the built-in tasks); a None reward counts as 0. With --eval-samples n > 1 each
+    (= exact-match accuracy for the built-in tasks); a None reward counts as 0. With samples n > 1 (--eval-samples) each
     problem gets n samples: eval/mean@n (= sampled_acc), and for k = 1, 2, 4, ... <= n the unbiased eval/pass@k
     (a sample is correct when its reward is > 0) and, when the reward returns "pred", eval/maj@k (majority_correct).
     A multi-turn task is played by play(engine, rows, sampling) -> agent.Episodes: the reward is the episode's return
     and the completion its conversation (chat messages).
     Returns (metrics, records): one record per completion for the samples file, gathered on rank 0 ([] elsewhere).
     """
-    n = cfg.eval_samples
+    n = samples
     ks = [2**i for i in range(n.bit_length()) if 2**i <= n] if n > 1 else []
     m, records = Metrics(), []
     m.add_ratio("eval/greedy_acc", 0, 0)  # every rank holds the keys (no problem anywhere: NaN)
     m.add_ratio("eval/sampled_acc", 0, 0)
     if engine is not None:
-        size = min(cfg.eval_size, len(task.test))
+        size = min(size, len(task.test))
         lo, hi = size * dp_rank // dp, size * (dp_rank + 1) // dp  # contiguous shards: row seeds as in one process
         test = task.test.select(range(lo, hi))
         prompts, answers = test["prompt"], test["answer"]
         greedy = Sampling(**{**asdict(sampling), "top_k": 1, "n": 1})
-        sampled = Sampling(**{**asdict(sampling), "n": n, "seed": cfg.seed + 7 + lo * n})  # row r has seed + r
+        sampled = Sampling(**{**asdict(sampling), "n": n, "seed": sampling.seed + 7 + lo * n})  # row r has seed + r
         for kind, s, k in (("greedy", greedy, 1), ("sampled", sampled, n)) if len(test) else ():
             texts, sc = scored(task, tok, test, k, rollouts(engine, tok, test, s, play), play)
             r = sc.rewards * sc.rewarded  # None counts as 0

@@ -590,17 +590,21 @@ def value_loss(
     mask: Tensor,
     *,
     clip: float | None,
-    scale: float = 0.5,
     agg: str = "token-mean",
     num_tokens: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped value loss: scale * agg(max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2)).
+    """Clipped value loss: 0.5 * agg(max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2)).
 
     values: [B, T] critic output with grad; old_values: [B, T] critic output at rollout time; returns:
-    [B, T] GAE targets. clip=None disables the clipped branch. Project default scale 0.5 (verl),
-    clip 0.2 (slime). Returns (loss, metrics: critic/value_loss (the scaled loss over this batch's own
-    denominator), critic/clipfrac
-    (tokens where the clipped branch is larger), critic/value_mean).
+    [B, T] GAE targets, the critic's regression targets; mask: [B, T] bool, the tokens that count.
+    clip: eps_v (project default 0.2, slime); None disables the clipped branch.
+    The 1/2 is PPO's convention (cleanrl, verl, OpenRLHF): the gradient of the unclipped branch is the residual
+    V - R. No other scale: the critic has its own AdamW, which cancels a constant factor on the loss.
+    Denominator: `agg` with num_tokens (the global token count of the minibatch: gradient accumulation equals one
+    large batch), or this batch's own count when None.
+    Returns (loss, metrics): critic/value_loss (the loss over this batch's own denominator, whatever num_tokens:
+    comparable across micro-batches and ranks), critic/clipfrac (tokens where the clipped branch is larger),
+    critic/value_mean.
     """
     _check(mask, values=values, old_values=old_values, returns=returns)
     v, r = values.float(), returns.float()
@@ -613,9 +617,8 @@ def value_loss(
         err = torch.maximum(err, err_clipped)
     else:
         clipfrac = torch.zeros((), device=mask.device)
-    loss = scale * aggregate(err, mask, agg, num_tokens)
-    # The metric is this batch's own mean, whatever the denominator: comparable across micro-batches and ranks.
-    metric = scale * aggregate(err.detach(), mask, agg)
+    loss = 0.5 * aggregate(err, mask, agg, num_tokens)
+    metric = 0.5 * aggregate(err.detach(), mask, agg)
     return loss, {"critic/value_loss": metric, "critic/clipfrac": clipfrac, "critic/value_mean": _mean0(v, mask)}
 
 

@@ -182,20 +182,13 @@ def is_tool_env(cls) -> bool:
     return isinstance(cls, type) and callable(getattr(cls, "reset", None)) and not callable(getattr(cls, "step", None))
 
 
-def text_env(task, cfg):
-    """task.env (a data.tasks.Task's) in agent.py's form: a tool environment becomes its ToolEpisode class (tool_env,
-    with the --tool-* flags of cfg, a Config), a text environment or None stays as it is."""
+def text_env(task, parser: str, limits: ToolLimits, max_turns: int, source: str):
+    """task.env (a data.tasks.Task's) in agent.py's form: a tool environment becomes its ToolEpisode class (tool_env:
+    the --tool-parser format, the --tool-* limits, turns per episode, and the flag that named it, for errors), a text
+    environment or None stays as it is."""
     if not is_tool_env(task.env):
         return task.env
-    limits = ToolLimits(cfg.tool_calls_per_turn, cfg.tool_calls_per_episode, cfg.tool_timeout, cfg.tool_output_chars)
-    return tool_env(
-        task.env,
-        cfg.tool_parser,
-        limits,
-        cfg.max_turns or task.max_turns,
-        task,
-        f"--env {cfg.env}" if cfg.env else f"--task {cfg.task}",
-    )
+    return tool_env(task.env, parser, limits, max_turns, task, source)
 
 
 def stop_ids(tok, env_cls=None) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
-"""The critic: the policy's backbone with a fresh scalar head; load_policy, the policy's (and reference's) load; and
-PromptBaseline, the critic-free running-mean baseline of --algo reinforce.
+"""The critic: the policy's backbone with a fresh scalar head, and what it reads beyond the policy's input
+(--critic-context: context_ids, critic_batch); load_policy, the policy's (and reference's) load; and PromptBaseline,
+the critic-free running-mean baseline of --algo reinforce.
 
 It is a stock Hugging Face ``AutoModelForTokenClassification`` with ``num_labels=1``: ``.model`` is the
 backbone (the same module names as the policy's, so parallel.py's TP plan covers it) and ``.score`` is a
@@ -10,11 +11,13 @@ that has a token-classification class (Llama, Qwen2, Qwen3, Mistral, ...).
     critic = build_critic("path/to/policy")            # backbone copied, head N(0, 0.02), zero bias
     values = critic_values(critic, input_ids, attention_mask)   # [B, L] float32
     critic.save_pretrained("ckpt/critic"); load_critic("ckpt/critic")
+    ctb = critic_batch(ro, context_ids("answer", tok, task_rows, out, n), pad_id, n)  # --critic-context answer
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -27,8 +30,10 @@ from transformers import (
 )
 
 import losses
+from agent import Episodes
 from decoder import load_pretrained
 from parallel import all_reduce
+from rollout import Rollout, TrainBatch
 
 
 def load_policy(path: str, what: str = "--model") -> PreTrainedModel:
@@ -121,6 +126,50 @@ def critic_values(critic: PreTrainedModel, input_ids: Tensor, attention_mask: Te
     whose last token is i. Align with logits: the value of the state before response token t sits at the
     same position as the logits that predict it."""
     return critic(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits[..., 0].float()
+
+
+# ----------------------------------------------------------------------------- --critic-context: the critic's own input
+
+
+# --critic-context answer: the text before the prompt in the critic's input (bench/value_fit.py uses it too)
+ANSWER_CONTEXT = "Reference answer: {}\n"
+
+
+def context_ids(kind: str, tok, task_rows, out, n: int) -> list[list[int]]:
+    """The critic-only prefix of each training row, token ids (add_special_tokens=False). kind "answer":
+    ANSWER_CONTEXT with the reference answer of the row's task row (rows are task row b // n; with episodes, the row's
+    episode // n); "env": the string its episode's environment returned from critic_context() (agent.Episodes), the
+    same on every row of a compacted episode."""
+    episode = out.episode if isinstance(out, Episodes) else range(len(out.tokens))
+    if kind == "answer":
+        texts = [ANSWER_CONTEXT.format(task_rows[e // n]["answer"]) for e in episode]
+    elif kind == "env":
+        if not isinstance(out, Episodes) or any(out.critic_context[e] is None for e in episode):
+            raise ValueError(
+                "--critic-context env: the environment gave no critic_context() string (it needs the method)"
+            )
+        texts = [out.critic_context[e] for e in episode]
+    else:
+        raise ValueError(f"context_ids: unknown kind {kind!r} (answer or env)")
+    return [tok(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def critic_batch(ro: Rollout, prefixes: list[list[int]], pad_id: int, n: int = 1) -> TrainBatch:
+    """The critic's TrainBatch under --critic-context: row b's prompt is prefixes[b] + its prompt, the response block
+    as in ro.to_batch (the same T columns, so response_values reads V before each response token exactly as on the
+    policy's batch; only P grows). n > 1: each group of n rows shares one sequence (TrainBatch.shared) when the group's
+    prefixes agree (answer: one prompt, one answer); otherwise (env: each episode its own string) per-row sequences,
+    which give the same values. MoE routing is dropped (the critic never replays it)."""
+    if len(prefixes) != len(ro.prompt_ids):
+        raise ValueError(f"critic_batch: {len(prefixes)} prefixes for {len(ro.prompt_ids)} rows")
+    tb = replace(ro, prompt_ids=[list(c) + list(p) for c, p in zip(prefixes, ro.prompt_ids)], routing=None).to_batch(
+        pad_id
+    )
+    same = all(prefixes[b] == prefixes[b - b % n] for b in range(len(prefixes)))
+    return tb.shared(n) if n > 1 and same else tb
+
+
+# ----------------------------------------------------------------------------- --algo reinforce's baseline
 
 
 class PromptBaseline:

@@ -1,5 +1,5 @@
 """Peak memory of one policy step (forward, loss over the response tokens, backward) against prompt and response length,
-with the trainer's response-only log-probs (train_ppo.response_logprobs: the LM head on the response columns only, a
+with the trainer's response-only log-probs (forward.response_logprobs: the LM head on the response columns only, a
 chunk at a time, checkpointed) and with the plain path it replaced (the model's logits at every position, then sliced).
 
     .venv/bin/python bench/bench_memory.py                      # vocabulary 151,936 (Qwen's), hidden 128, 2 layers, 1 row
@@ -31,9 +31,8 @@ def one(path: str, P: int, T: int, rows: int, vocab: int) -> tuple[float, float]
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import losses as L
-    from config import Config
     from rollout import TrainBatch
-    from forward import response_logprobs
+    from forward import Forward, response_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -71,7 +70,7 @@ def one(path: str, P: int, T: int, rows: int, vocab: int) -> tuple[float, float]
         ]
         logp = L.token_logprobs(logits, tokens)
     else:
-        logp = response_logprobs(model, b, all_rows, tokens, Config(train_dtype="fp32"))[0]
+        logp = response_logprobs(model, b, all_rows, tokens, Forward())[0]
     (-logp.mean()).backward()
     if device.type == "cuda":
         torch.cuda.synchronize()

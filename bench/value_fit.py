@@ -42,7 +42,9 @@ from config import Config  # noqa: E402
 from data.rewards import load_reward  # noqa: E402
 from data.tasks import get_task  # noqa: E402
 from evaluation import rollouts, scored  # noqa: E402
-from forward import context_ids, critic_batch, micro, response_values  # noqa: E402
+from forward import response_values  # noqa: E402
+from update import micro  # noqa: E402
+from value_model import context_ids, critic_batch  # noqa: E402
 from embedded_engine import EmbeddedEngine  # noqa: E402
 from rollout import Sampling  # noqa: E402
 from value_model import build_critic, set_head_to_mean  # noqa: E402
@@ -87,7 +89,7 @@ def sample(
 @torch.no_grad()
 def values_of(critic, tb, rows: torch.Tensor, cfg: Config) -> torch.Tensor:
     return (
-        torch.cat([response_values(critic, tb, r, cfg) for r in micro(rows, cfg)])
+        torch.cat([response_values(critic, tb, r) for r in micro(rows, cfg.micro_batch)])
         if len(rows)
         else torch.zeros(0, tb.keep.numel())
     )
@@ -125,14 +127,13 @@ def fit(
         critic.train()
         for mb in fit_rows[torch.randperm(len(fit_rows), generator=g)].split(batch):
             denom = L.loss_denominator(mask[mb], cfg.agg, mask.size(1)).clamp_min(1)
-            for r in micro(mb, cfg):
+            for r in micro(mb, cfg.micro_batch):
                 loss, _ = L.value_loss(
-                    v := response_values(critic, tb, r, cfg),
+                    v := response_values(critic, tb, r),
                     v.detach(),
                     returns[r],
                     mask[r],
                     clip=None,
-                    scale=cfg.value_scale,
                     agg=cfg.agg,
                     num_tokens=denom,
                 )

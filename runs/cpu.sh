@@ -21,9 +21,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --compact-at 0 \
   --tool-parser hermes \
   --tool-calls-per-turn 4 \
-  --tool-calls-per-episode 16 \
   --tool-timeout 10.0 \
-  --tool-output-chars 2000 \
   --reward "" \
   --user-timeout 120.0 \
   --out-dir outputs/cpu \
@@ -35,13 +33,10 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --correction icepop \
   --icepop-low 0.5 \
   --icepop-high 2.0 \
-  --tis-cap 2.0 \
-  --no-drop-masked-from-denominator \
   --kl none \
   --kl-coef 0.01 \
   --gamma 1.0 \
   --lam-policy 0.95 \
-  --lam-critic 1.0 \
   --adaptive-lambda 0.0 \
   --whiten-advantages \
   --vine-k 4 \
@@ -64,7 +59,6 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --no-freeze-critic-attention \
   --critic-context policy \
   --value-clip 0.2 \
-  --value-scale 0.5 \
   --max-grad-norm 1.0 \
   --max-bad-steps 3 \
   --temperature 1.0 \
@@ -90,6 +84,5 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --eval-dtype engine \
   --save-every 50 \
   --keep-checkpoints 2 \
-  --no-wandb \
-  --no-tensorboard \
+  --report-to none \
   "$@"

@@ -14,8 +14,7 @@ from data.tasks import guess_task
 from data.tiny import build_tiny_model, build_tokenizer, demo_engine
 from embedded_engine import EmbeddedEngine
 from rollout import Rollout, Sampling
-from forward import minibatches
-from train_ppo import Config
+from update import minibatches
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
@@ -379,9 +378,8 @@ def test_compaction_rows_carry_the_episode_return():
 
 
 def test_minibatches_always_have_the_requested_count():
-    cfg = Config(minibatches=4)
     for rows in (1, 3, 5, 9, 64):
-        parts = minibatches(rows, cfg, index=0, epoch=0)
+        parts = minibatches(rows, 4, seed=0, index=0, epoch=0)
         assert len(parts) == 4 and sorted(torch.cat(parts).tolist()) == list(range(rows))
 
 

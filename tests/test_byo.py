@@ -15,7 +15,7 @@ from conftest import train_cli
 from data.rewards import extract_answer, load_reward, majority_correct, math_reward, pass_at_k, reward_columns, score
 from data.tasks import Task, check_lengths, encode_prompt, get_task, load_task
 from data.tiny import build_tokenizer
-from train_ppo import Config, denominator
+from update import denominator
 
 
 def addition_rows(n):
@@ -128,7 +128,7 @@ def test_ppo_none_row_leaves_the_loss(agg):
         r = torch.zeros(len(rows), T)
         r[torch.arange(len(rows)), gen[rows].sum(-1) - 1] = scores[rows]
         adv = L.gae(r, values[rows], mask, 1.0, 0.95)[0]
-        denom = denominator(mask, keep[rows], Config(agg=agg), T, None)
+        denom = denominator(mask, keep[rows], agg, T, None)
         loss, _ = L.ppo_policy_loss(
             logp[rows], old[rows], adv, mask, clip_low=0.2, clip_high=0.28, agg=agg, num_tokens=denom
         )

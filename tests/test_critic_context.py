@@ -17,10 +17,10 @@ from config import Config, check_critic_context, resolve
 from data.guess import GuessEnv
 from data.tasks import get_task, guess_task
 from data.tiny import build_tokenizer, demo_engine
-from forward import ANSWER_CONTEXT, context_ids, critic_batch, response_values
+from forward import response_values
 from rollout import Rollout, Sampling
 from runlog import check_resume
-from value_model import build_critic, critic_values
+from value_model import ANSWER_CONTEXT, build_critic, context_ids, critic_batch, critic_values
 
 TOK = build_tokenizer()
 
@@ -74,14 +74,14 @@ def test_critic_values_equal_a_plain_forward_in_every_layout(tiny_model_dir):
     critic = build_critic(tiny_model_dir, dtype=torch.float32)  # a random head: values vary with the input
     g = torch.Generator().manual_seed(0)
     ro = _rows(g)
-    attend, cfg, rows = ro.attend, Config(), torch.arange(4)
+    attend, rows = ro.attend, torch.arange(4)
     per_group = [[7, 8, 9]] * 2 + [[10, 11, 12, 13, 14, 15, 16]] * 2
     per_row = [[7], [8, 9], [10, 11, 12], [13, 14, 15, 16]]
     for prefixes, n, group in ((per_group, 1, 1), (per_group, 2, 2), (per_row, 2, 1)):
         ctb = critic_batch(ro, prefixes, TOK.pad_token_id, n)
         assert ctb.group == group
         with torch.no_grad():
-            got = response_values(critic, ctb, rows, cfg)
+            got = response_values(critic, ctb, rows)
         want = _plain_values(critic, ro, prefixes)
         torch.testing.assert_close(got[attend], want[attend], rtol=1e-5, atol=1e-5)
         assert want[attend].std() > 1e-3  # the comparison can fail: the values differ across positions
@@ -195,9 +195,9 @@ def test_answer_run_leaves_the_policy_untouched(tmp_path, monkeypatch):
                 TOK(ANSWER_CONTEXT.format(rows[b // 2]), add_special_tokens=False).input_ids
                 for b in range(len(batch.tokens))
             ]
-        want = _plain_values(models.critic, batch.ro, prefixes)
-        torch.testing.assert_close(old.values[batch.ro.mask], want[batch.ro.mask], rtol=1e-5, atol=1e-5)
-        seen.setdefault(run.cfg.critic_context, []).append((batch, old, want[batch.ro.mask].std().item()))
+        want = _plain_values(models.critic, batch.rollout, prefixes)
+        torch.testing.assert_close(old.values[batch.rollout.mask], want[batch.rollout.mask], rtol=1e-5, atol=1e-5)
+        seen.setdefault(run.cfg.critic_context, []).append((batch, old, want[batch.rollout.mask].std().item()))
         return old
 
     monkeypatch.setattr(train_ppo, "recompute", spy)
@@ -208,14 +208,14 @@ def test_answer_run_leaves_the_policy_untouched(tmp_path, monkeypatch):
     assert hist[-1]["step"] == 2 and hist[-1]["train/skipped_update"] == 0
     ((pb, pold, _),) = seen["policy"]
     ab, aold, _ = seen["answer"][0]
-    assert pb.ctb is pb.tb  # policy: the critic's batch is the policy's, nothing added
-    assert pb.tb.group == 2 and ab.ctb.group == 2 and ab.ctb is not ab.tb
-    for x, y in zip(pb.tb, ab.tb):
+    assert pb.critic_inputs is pb.inputs  # policy: the critic's batch is the policy's, nothing added
+    assert pb.inputs.group == 2 and ab.critic_inputs.group == 2 and ab.critic_inputs is not ab.inputs
+    for x, y in zip(pb.inputs, ab.inputs):
         assert torch.equal(x, y) if torch.is_tensor(x) else x == y
     assert torch.equal(pold.logp, aold.logp) and torch.equal(pb.tokens, ab.tokens) and torch.equal(pb.mask, ab.mask)
-    assert ab.ctb.response_start > ab.tb.response_start
-    assert "Reference answer: " in TOK.decode(ab.ctb.input_ids[0]) and "Reference answer" not in TOK.decode(
-        ab.tb.input_ids[0]
+    assert ab.critic_inputs.response_start > ab.inputs.response_start
+    assert "Reference answer: " in TOK.decode(ab.critic_inputs.input_ids[0]) and "Reference answer" not in TOK.decode(
+        ab.inputs.input_ids[0]
     )
     assert seen["answer"][1][2] > 0  # after one critic update the values vary: the plain-forward check had teeth
 
@@ -230,12 +230,12 @@ def test_env_run_shows_each_episode_its_string(tmp_path, monkeypatch, tiny_model
 
     def spy(run, models, batch, m):
         old = recompute(run, models, batch, m)
-        ep, ro = batch.out, batch.ro
+        ep, ro = batch.generated, batch.rollout
         prefixes = [TOK(ep.critic_context[e], add_special_tokens=False).input_ids for e in ep.episode]
         for b in range(len(ro.tokens)):
-            real = batch.ctb.input_ids[b][batch.ctb.attention_mask[b].bool()].tolist()
+            real = batch.critic_inputs.input_ids[b][batch.critic_inputs.attention_mask[b].bool()].tolist()
             assert real == prefixes[b] + ro.prompt_ids[b] + ro.tokens[b][ro.attend[b]].tolist()
-        assert "tag" not in TOK.decode(batch.tb.input_ids.flatten())
+        assert "tag" not in TOK.decode(batch.inputs.input_ids.flatten())
         torch.testing.assert_close(
             old.values[ro.mask], _plain_values(models.critic, ro, prefixes)[ro.mask], rtol=1e-5, atol=1e-5
         )
@@ -259,4 +259,4 @@ def test_env_run_shows_each_episode_its_string(tmp_path, monkeypatch, tiny_model
         )
     )
     assert hist[-1]["step"] == 1 and len(seen) == 1
-    assert seen[0].tb.group == 2 and seen[0].ctb.group == 1
+    assert seen[0].inputs.group == 2 and seen[0].critic_inputs.group == 1

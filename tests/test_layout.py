@@ -12,7 +12,7 @@ Layers, bottom to top, and why in this order:
 - embedded_engine, sglang_engine, agent, vine: the two engines, the multi-turn driver and VinePPO's Monte Carlo values,
   all on rollout's interface.
 - data.tiny: the default model, warmed up on demonstrations played through agent and the embedded engine.
-- config, runlog, evaluation, value_model, forward: the run (options and checks, run folder and metrics, held-out
+- config, runlog, evaluation, value_model, forward, update: the run (options and checks, run folder and metrics, held-out
   evaluation, the critic, the trainer's forwards).
 - build: the run's set-up (its records, the models, make_engine over both engines, the log).
 - train_ppo: the loop.
@@ -34,7 +34,7 @@ LAYERS = [
     ("rollout",),
     ("embedded_engine", "sglang_engine", "agent", "vine"),
     ("data.tiny",),
-    ("config", "runlog", "evaluation", "value_model", "forward"),
+    ("config", "runlog", "evaluation", "value_model", "forward", "update"),
     ("build",),
     ("train_ppo",),
 ]

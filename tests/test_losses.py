@@ -480,14 +480,14 @@ def test_value_loss_hand_and_clipfrac():
     old = torch.tensor([[0.0, 0.0]])
     ret = torch.tensor([[2.0, 1.0]])
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, m = L.value_loss(v, old, ret, mask, clip=0.2, scale=0.5)
+    loss, m = L.value_loss(v, old, ret, mask, clip=0.2)
     # token 0: unclipped (1-2)^2 = 1, clipped (0.2-2)^2 = 3.24 -> 3.24; token 1: both 1
     assert loss.item() == pytest.approx(0.5 * (3.24 + 1) / 2)
     assert m["critic/clipfrac"].item() == 0.5
     loss.backward()
     assert v.grad[0, 0].item() == 0.0  # the clipped branch is constant in V beyond the clip
-    loss_nc, _ = L.value_loss(v, old, ret, mask, clip=None, scale=1.0)
-    assert loss_nc.item() == pytest.approx((1 + 1) / 2)
+    loss_nc, _ = L.value_loss(v, old, ret, mask, clip=None)
+    assert loss_nc.item() == pytest.approx(0.5 * (1 + 1) / 2)
 
 
 def test_explained_variance():

@@ -13,7 +13,7 @@ def config(tmp_path, **kw) -> Config:
 
 def test_the_base_of_the_table_is_accepted(tmp_path):
     """Each row below changes only what it names, so its refusal is that change's."""
-    assert resolve(config(tmp_path), 1)["dp"] == 1 and resolve(config(tmp_path, tp=2), 4)["dp"] == 2
+    assert resolve(config(tmp_path), 1).dp == 1 and resolve(config(tmp_path, tp=2), 4).dp == 2
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ def test_prompt_keys_by_hand():
 
 
 def test_config():
-    assert resolve(Config(algo="reinforce"), 1)["n"] == 1
+    assert resolve(Config(algo="reinforce"), 1).n == 1
     for kw, msg in (
         (dict(kl="k1-reward"), "--kl k1-reward with --algo reinforce"),
         (dict(baseline_window=0), "--baseline-window must be >= 1"),

@@ -16,11 +16,13 @@ import torch
 
 import evaluation
 import train_ppo
+from config import check_model
 from conftest import ENV, REPO, read_metrics, small, start_train, train_cli
 from data.rewards import Scores, load_reward
 from data.tasks import get_task
 from runlog import check_fresh_start, check_inputs, check_resume, input_fingerprints, latest_checkpoint, lock_run_dir
-from train_ppo import check_finite, main, optimizer_step
+from train_ppo import main
+from update import check_finite, optimizer_step
 
 
 @pytest.fixture
@@ -118,10 +120,12 @@ def test_non_finite_weights_after_a_step_stop_the_run(tmp_path):
     model = torch.nn.Linear(2, 1)
     opt = Poison(model.parameters(), lr=0.1)
     model(torch.ones(1, 2)).sum().backward()
-    norm, ok, weights_ok = optimizer_step(model, opt, small(tmp_path), None)
+    norm, ok, weights_ok = optimizer_step(model, opt, max_grad_norm=1.0, dp_group=None)
     assert ok and not weights_ok
     with pytest.raises(RuntimeError, match="the policy update made its weights non-finite.*lower --lr"):
-        check_finite(ok, weights_ok, {"policy": 0}, "policy", "step 3", norm, small(tmp_path))
+        check_finite(
+            ok, weights_ok, {"policy": 0}, "policy", "step 3", norm, max_bad_steps=3, find_checkpoint=lambda: None
+        )
 
 
 @pytest.mark.e2e
@@ -237,7 +241,7 @@ def test_tp_that_cannot_split_the_heads_is_refused_before_weights_load(tmp_path,
     path = model_copy()
     os.remove(os.path.join(path, "model.safetensors"))  # the check must not need the weights
     with pytest.raises(ValueError, match="not divisible by tp=3"):
-        train_ppo.check_model(small(tmp_path, tp=3), path, get_task("addition"))
+        check_model(small(tmp_path, tp=3), path, get_task("addition"))
 
 
 class _Payload:

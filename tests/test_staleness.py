@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 import losses as L
 from conftest import read_metrics, small, trainer_logp
 from config import Config, resolve
-from build import build_engines, build_models, load_task, setup
+from build import build_generation, build_models, load_task, setup
 from train_ppo import main, rollout_phase, train_step
 
 FP32_LOGP_ATOL = 5e-5  # the fp32 engine against the trainer's forward (tests/test_rollout.py)
@@ -34,17 +34,17 @@ def test_stale_engine_samples_the_old_weights(tmp_path):
     log-probs equal the start model's recompute, not the updated policy's."""
     cfg = small(tmp_path / "run", sync_every=2, save_every=2, engine_dtype="fp32", lr=5e-3, algo="grpo")
     run = setup(cfg)
-    task, tok, path = load_task(run)
-    models = build_models(run, path, task)
-    engines = build_engines(run, models, task, tok)
+    task, tok, path, _ = load_task(run)
+    models, progress = build_models(run, path, task)
+    gen = build_generation(run, models, task, tok)
     try:
-        m = train_step(run, models, engines, task, tok, index=0, train_policy=True)
-        assert m.reduce()["rollout/staleness"] == 0.0 and models.synced == 0  # step 1 did not sync (2 does)
-        _, ro = rollout_phase(run, engines, task, tok, 1)
+        m = train_step(run, models, progress, gen, index=0, train_policy=True)
+        assert m.reduce()["rollout/staleness"] == 0.0 and progress.synced == 0  # step 1 did not sync (2 does)
+        _, ro = rollout_phase(run, gen, 1)
     finally:
-        engines.rollout.shutdown()
+        gen.rollout_engine.shutdown()
     start = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    s = engines.sampling
+    s = gen.sampling
     assert ((ro.infer_logp - trainer_logp(start, ro, s, tok.pad_token_id)).abs() * ro.mask).max() < FP32_LOGP_ATOL
     assert ((ro.infer_logp - trainer_logp(models.policy, ro, s, tok.pad_token_id)).abs() * ro.mask).max() > 1e-3
 

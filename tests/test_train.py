@@ -122,10 +122,7 @@ OPTIONS = {
         dict(correction="dis"),
         lambda row, out: "dis/masked_frac" in row and "ppo/clipfrac" not in row,
     ),  # DIS replaces PPO-clip
-    "none-drop-masked": (
-        dict(correction="none", drop_masked_from_denominator=True),
-        lambda row, out: _no_correction(row),
-    ),
+    "none": (dict(correction="none"), lambda row, out: _no_correction(row)),
     "k1-reward": (dict(kl="k1-reward"), lambda row, out: "ppo/kl_ref" not in row),  # a reward penalty, not a loss term
     "k3-loss-seq-mean": (dict(kl="k3-loss", agg="seq-mean-token-mean"), lambda row, out: row["ppo/kl_ref"] >= 0),
     # 2 epochs x 2 minibatches: every minibatch after the first is off-policy (a single update has ratio 1 throughout)
@@ -329,11 +326,11 @@ def test_response_only_logprobs_equal_full_logits(tiny_policy):
     # The trainer's path (decoder, then the LM head on the response columns only, chunked) against the plain one
     # (every position's logits, sliced): values and gradients, with temperature and top-p.
     import losses as L
-    from forward import response_logprobs
+    from forward import Forward, response_logprobs
 
     model, (b, tokens, mask) = tiny_policy, _tiny_batch()
     torch.manual_seed(0)
-    cfg, rows_ = Config(temperature=0.8, top_p=0.9), torch.arange(3)
+    fwd, rows_ = Forward(temperature=0.8, top_p=0.9), torch.arange(3)
     w = torch.randn(tokens.shape)
     P = b.response_start
     full = L.token_logprobs(
@@ -347,7 +344,7 @@ def test_response_only_logprobs_equal_full_logits(tiny_policy):
     (full * mask * w).sum().backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    ours, ent = response_logprobs(model, b, rows_, tokens, cfg, entropy=True)
+    ours, ent = response_logprobs(model, b, rows_, tokens, fwd, entropy=True)
     (ours * mask * w).sum().backward()
     torch.testing.assert_close(ours[mask], full[mask], rtol=1e-5, atol=1e-5)
     for n, p in model.named_parameters():
@@ -360,7 +357,7 @@ def test_shared_prefix_equals_padded_rows(tiny_policy, tiny_model_dir):
     loss's gradients (policy and critic) equal the padded per-row batch's: prompts of different lengths (left
     padding), responses of different lengths, and multi-turn rows whose observation tokens are attended, not trained."""
     from rollout import Rollout
-    from forward import response_logprobs, response_values
+    from forward import Forward, response_logprobs, response_values
     from value_model import build_critic
 
     policy = tiny_policy
@@ -377,12 +374,12 @@ def test_shared_prefix_equals_padded_rows(tiny_policy, tiny_model_dir):
     )
     plain, shared = ro.to_batch(), ro.to_batch().shared(n)
     assert shared.input_ids.shape == (2, plain.response_start + n * 7)
-    cfg, rows_, w = Config(), torch.arange(2 * n), torch.randn(tokens.shape, generator=g)
+    fwd, rows_, w = Forward(), torch.arange(2 * n), torch.randn(tokens.shape, generator=g)
     outs = []
     for b in (plain, shared):
         policy.zero_grad(), critic.zero_grad()
-        logp, ent = response_logprobs(policy, b, rows_, tokens, cfg, entropy=True)
-        values = response_values(critic, b, rows_, cfg)
+        logp, ent = response_logprobs(policy, b, rows_, tokens, fwd, entropy=True)
+        values = response_values(critic, b, rows_)
         ((logp + values) * mask * w).sum().backward()
         outs.append(
             [logp[mask], ent[mask], values[attend]]
@@ -399,8 +396,8 @@ def test_shared_prefix_equals_padded_rows(tiny_policy, tiny_model_dir):
     with torch.no_grad():  # a micro-batch of the second group only
         one = torch.arange(n, 2 * n)
         torch.testing.assert_close(
-            response_logprobs(policy, shared, one, tokens, cfg)[0][mask[one]],
-            response_logprobs(policy, plain, one, tokens, cfg)[0][mask[one]],
+            response_logprobs(policy, shared, one, tokens, fwd)[0][mask[one]],
+            response_logprobs(policy, plain, one, tokens, fwd)[0][mask[one]],
             rtol=1e-5,
             atol=1e-6,
         )
@@ -409,7 +406,7 @@ def test_shared_prefix_equals_padded_rows(tiny_policy, tiny_model_dir):
             n
         )  # p0 p1 p0 ...: mixed groups
     with pytest.raises(ValueError, match="not whole groups of 3"):
-        response_logprobs(policy, shared, torch.arange(1, 4), tokens, cfg)
+        response_logprobs(policy, shared, torch.arange(1, 4), tokens, fwd)
 
 
 def test_model_with_logit_softcap_is_refused(tiny_policy):
