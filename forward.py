@@ -24,7 +24,7 @@ from config import Config
 from parallel import all_reduce, all_reduce_grads, clip_grad_norm_
 from agent import Episodes
 from rollout import Rollout, TrainBatch
-from runlog import latest_checkpoint
+from checkpoint import latest_checkpoint
 from value_model import critic_values
 
 

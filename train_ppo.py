@@ -42,6 +42,16 @@ import losses
 import moe
 import vine
 from agent import DEFAULT_MAX_TURNS, Episodes, episode_metrics, load_env, run_episodes
+from checkpoint import (
+    check_fresh_start,
+    check_inputs,
+    check_resume,
+    input_fingerprints,
+    latest_checkpoint,
+    load_trainer_state,
+    lock_run_dir,
+    save_checkpoint,
+)
 from config import Config, check_model, resolve
 from data.rewards import load_reward
 from data.tasks import get_task, prompt_indices, prompt_keys
@@ -60,19 +70,7 @@ from forward import (
 )
 from parallel import PREEMPTION, Runtime, all_reduce, init_runtime, make_mesh, parallelize, print0, tp_share
 from rollout import EmbeddedEngine, Rollout, Sampling, TrainBatch, make_engine, push_weights, sync_weights
-from runlog import (
-    Metrics,
-    RunLog,
-    check_fresh_start,
-    check_inputs,
-    check_resume,
-    input_fingerprints,
-    latest_checkpoint,
-    load_trainer_state,
-    lock_run_dir,
-    save_checkpoint,
-    timed,
-)
+from runlog import Metrics, RunLog, timed
 from tools import stop_ids, text_env
 from value_model import (
     PLATEAU_WINDOW,
@@ -247,7 +245,7 @@ class Run:
     engine_rank: bool  # the first rank of each TP group holds the rollout engine
     ckpt: str | None  # the checkpoint this run resumes from
     changes: dict  # options (and, from load_task, inputs) the resume changed, {name: [old, new]}
-    inputs: dict  # the run's input fingerprints (runlog.input_fingerprints), filled by load_task
+    inputs: dict  # the run's input fingerprints (checkpoint.input_fingerprints), filled by load_task
     group: int  # rows kept together in minibatches: a prompt's n samples (1 with compaction)
     share: bool  # a group's rows share one forward of their prompt (TrainBatch.shared)
     lock: Any  # the run folder's lock (rank 0), held until the process ends
@@ -325,7 +323,11 @@ def setup(cfg: Config) -> Run:
     mesh = make_mesh(rt, cfg.tp)
     tp_mesh = mesh["tp"] if mesh else None
     ckpt = latest_checkpoint(cfg.out_dir, cfg.algo)
-    changes = check_resume(cfg, ckpt, rt.world_size) if ckpt else check_fresh_start(cfg.out_dir, cfg.algo) or {}
+    changes = (
+        check_resume(ckpt, rt.world_size, options=asdict(cfg), defaults=asdict(Config()))
+        if ckpt
+        else check_fresh_start(cfg.out_dir, cfg.algo) or {}
+    )
     group = 1 if cfg.compact_at else plan["n"]
     return Run(
         cfg,
@@ -347,7 +349,7 @@ def setup(cfg: Config) -> Run:
 
 def load_task(run: Run):
     """(task, tokenizer, model folder). A bad task, data file or row fails here, and a resume's changed inputs
-    (runlog.check_inputs), before any model is built; the default model is built (rank 0) on first use."""
+    (checkpoint.check_inputs), before any model is built; the default model is built (rank 0) on first use."""
     cfg = run.cfg
     task = get_task(
         cfg.task,
@@ -362,9 +364,14 @@ def load_task(run: Run):
     if cfg.env:
         task.env, task.max_turns = load_env(cfg.env), DEFAULT_MAX_TURNS
     task.env = text_env(task, cfg)  # a tool environment (TRL's form) is played as a text one: tools.ToolEpisode
-    run.inputs.update(input_fingerprints(cfg, task))
+    fingerprints = input_fingerprints(
+        task.train, task.test, model=cfg.model, task=cfg.task, eval_task=cfg.eval_task, reward=cfg.reward, env=cfg.env
+    )
+    run.inputs.update(fingerprints)
     if run.ckpt:
-        run.changes.update(check_inputs(cfg, run.inputs, run.changes))
+        run.changes.update(
+            check_inputs(cfg.out_dir, run.inputs, run.changes, accept_changed_inputs=cfg.accept_changed_inputs)
+        )
     model_path = cfg.model
     if not model_path:
         from data.tiny import default_model

@@ -12,8 +12,10 @@ Layers, bottom to top, and why in this order:
 - sglang_engine, agent, vine: the other engine, the multi-turn driver and VinePPO's Monte Carlo values, all on
   rollout's interface.
 - data.tiny: the default model, warmed up on demonstrations played through agent and the embedded engine.
-- config, runlog, evaluation, value_model, forward: the run (options and checks, run folder and metrics, held-out
-  evaluation, the critic, the trainer's forwards).
+- checkpoint: the run folder's checkpoints, the lock and the resume checks; it takes options as values (no Config),
+  so config, runlog and forward build on it.
+- config, runlog, evaluation, value_model, forward: the run (options and checks, metrics log and run records,
+  held-out evaluation, the critic, the trainer's forwards).
 - train_ppo: the loop.
 
 The one import allowed to point up: rollout.make_engine imports sglang_engine in its SGLang branch (SGLang is
@@ -34,6 +36,7 @@ LAYERS = [
     ("rollout",),
     ("sglang_engine", "agent", "vine"),
     ("data.tiny",),
+    ("checkpoint",),
     ("config", "runlog", "evaluation", "value_model", "forward"),
     ("train_ppo",),
 ]
