@@ -21,17 +21,7 @@ import torch
 import torch.distributed as dist
 
 import moe
-from agent import DEFAULT_MAX_TURNS, load_env, run_episodes
-from config import Config, Plan, check_model, resolve
-from data.rewards import load_reward
-from data.tasks import Task, get_task, prompt_keys
-from embedded_engine import EmbeddedEngine
-from evaluation import evaluate
-from forward import Forward, check_head
-from parallel import Runtime, init_runtime, make_mesh, parallelize, print0
-from rollout import Engine, Sampling
-from runlog import (
-    RunLog,
+from checkpoint import (
     check_fresh_start,
     check_inputs,
     check_resume,
@@ -41,6 +31,16 @@ from runlog import (
     lock_run_dir,
     save_checkpoint,
 )
+from agent import DEFAULT_MAX_TURNS, load_env, run_episodes
+from config import Config, Plan, check_model, resolve
+from data.rewards import load_reward
+from data.tasks import Task, get_task, prompt_keys
+from embedded_engine import EmbeddedEngine
+from evaluation import evaluate
+from forward import Forward, check_head
+from parallel import Runtime, init_runtime, make_mesh, parallelize, print0
+from rollout import Engine, Sampling
+from runlog import RunLog
 from tools import ToolLimits, stop_ids, text_env
 from value_model import PromptBaseline, build_critic, freeze_attention, load_critic, load_policy
 
@@ -131,7 +131,7 @@ def setup(cfg: Config) -> Run:
     tp_mesh = mesh["tp"] if mesh else None
     ckpt = latest_checkpoint(cfg.out_dir, cfg.algo)
     if ckpt:
-        changes = check_resume(cfg, ckpt, rt.world_size)
+        changes = check_resume(ckpt, rt.world_size, options=asdict(cfg), defaults=asdict(Config()))
     else:
         changes = check_fresh_start(cfg.out_dir, cfg.algo) or {}
     group = 1 if cfg.compact_at else plan.n
@@ -174,10 +174,13 @@ def load_task(run: Run) -> tuple[Task, Any, str, Inputs]:
     limits = ToolLimits(calls_per_turn=cfg.tool_calls_per_turn, timeout=cfg.tool_timeout)
     source = f"--env {cfg.env}" if cfg.env else f"--task {cfg.task}"
     task.env = text_env(task, cfg.tool_parser, limits, cfg.max_turns or task.max_turns, source)
-    fingerprints = input_fingerprints(cfg, task)
+    fingerprints = input_fingerprints(
+        task.train, task.test, model=cfg.model, task=cfg.task, eval_task=cfg.eval_task, reward=cfg.reward, env=cfg.env
+    )
     changes = dict(run.option_changes)
     if run.ckpt:
-        changes.update(check_inputs(cfg, fingerprints, run.option_changes))
+        accept = cfg.accept_changed_inputs
+        changes.update(check_inputs(cfg.out_dir, fingerprints, run.option_changes, accept_changed_inputs=accept))
     model_path = cfg.model
     if not model_path:
         from data.tiny import default_model

@@ -1,6 +1,6 @@
 """The run's options (Config, one field per command-line flag) and the checks that run before any model loads:
 resolve (the options against each other and the world) and check_model (the model folder and every data row).
-A resume is checked against the recorded run by runlog.check_resume."""
+A resume is checked against the recorded run by checkpoint.check_resume."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from agent import load_env
+from checkpoint import safetensors_problem
 from data.rewards import load_reward
 from data.tasks import check_lengths
 from moe import is_moe
 from parallel import SUPPORTED_MODELS, check_tp
 from rollout import Sampling
-from runlog import safetensors_problem
 from tools import is_tool_env
 
 

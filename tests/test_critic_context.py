@@ -12,6 +12,7 @@ import torch
 
 import agent
 import train_ppo
+from checkpoint import check_resume
 from conftest import small
 from config import Config, check_critic_context, resolve
 from data.guess import GuessEnv
@@ -19,7 +20,6 @@ from data.tasks import get_task, guess_task
 from data.tiny import build_tokenizer, demo_engine
 from forward import response_values
 from rollout import Rollout, Sampling
-from runlog import check_resume
 from value_model import ANSWER_CONTEXT, build_critic, context_ids, critic_batch, critic_values
 
 TOK = build_tokenizer()
@@ -168,9 +168,11 @@ def test_refusals(tmp_path):
     os.makedirs(ckpt)
     (ckpt / "meta.json").write_text(json.dumps({"step": 1, "world_size": 1, "models": ["policy", "critic"]}))
     (tmp_path / "run" / "config.json").write_text(json.dumps({"config": dataclasses.asdict(cfg)}))
-    assert check_resume(cfg, str(ckpt), 1) == {}
+    defaults = dataclasses.asdict(Config())
+    assert check_resume(str(ckpt), 1, options=dataclasses.asdict(cfg), defaults=defaults) == {}
+    answer = dataclasses.asdict(dataclasses.replace(cfg, critic_context="answer"))
     with pytest.raises(ValueError, match="--critic-context 'policy' -> 'answer'"):
-        check_resume(dataclasses.replace(cfg, critic_context="answer"), str(ckpt), 1)
+        check_resume(str(ckpt), 1, options=answer, defaults=defaults)
 
 
 @pytest.mark.e2e

@@ -12,8 +12,10 @@ Layers, bottom to top, and why in this order:
 - embedded_engine, sglang_engine, agent, vine: the two engines, the multi-turn driver and VinePPO's Monte Carlo values,
   all on rollout's interface.
 - data.tiny: the default model, warmed up on demonstrations played through agent and the embedded engine.
-- config, runlog, evaluation, value_model, forward, update: the run (options and checks, run folder and metrics, held-out
-  evaluation, the critic, the trainer's forwards).
+- checkpoint: the run folder's checkpoints, the lock and the resume checks; it takes options as values (no Config),
+  so config, runlog and forward build on it.
+- config, runlog, evaluation, value_model, forward, update: the run (options and checks, metrics log and run records,
+  held-out evaluation, the critic, the trainer's forwards, the optimiser step).
 - build: the run's set-up (its records, the models, make_engine over both engines, the log).
 - train_ppo: the loop.
 
@@ -34,6 +36,7 @@ LAYERS = [
     ("rollout",),
     ("embedded_engine", "sglang_engine", "agent", "vine"),
     ("data.tiny",),
+    ("checkpoint",),
     ("config", "runlog", "evaluation", "value_model", "forward", "update"),
     ("build",),
     ("train_ppo",),

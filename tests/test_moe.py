@@ -229,7 +229,7 @@ def test_tiny_moe_trains_with_routing_replay_and_logs_router_flips(tmp_path):
 def test_checkpoint_has_per_expert_names_and_loads_back(model, tmp_path):
     from safetensors import safe_open
 
-    from runlog import _save_hf
+    from checkpoint import _save_hf
 
     _save_hf(model, str(tmp_path / "ckpt"), rank=0)
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:

@@ -16,11 +16,18 @@ import torch
 
 import evaluation
 import train_ppo
-from config import check_model
+from checkpoint import (
+    check_fresh_start,
+    check_inputs,
+    check_resume,
+    input_fingerprints,
+    latest_checkpoint,
+    lock_run_dir,
+)
+from config import Config, check_model
 from conftest import ENV, REPO, read_metrics, small, start_train, train_cli
 from data.rewards import Scores, load_reward
 from data.tasks import get_task
-from runlog import check_fresh_start, check_inputs, check_resume, input_fingerprints, latest_checkpoint, lock_run_dir
 from train_ppo import main
 from update import check_finite, optimizer_step
 
@@ -251,7 +258,7 @@ class _Payload:
 
 def test_trainer_state_with_a_pickle_payload_is_refused(tmp_path):
     """A trainer_rank0.pt carrying a pickled callable is refused on load; the callable never runs."""
-    from runlog import load_trainer_state
+    from checkpoint import load_trainer_state
 
     marker = "/tmp/icepop_payload_ran"
     if os.path.exists(marker):
@@ -404,9 +411,17 @@ def _rows(n):
 def _resume(cfg):
     """What a resume of cfg into a recorded folder (_record) does before any model loads: the option check, then the
     inputs' fingerprints after the task loads. Returns the accepted changes."""
-    changes = check_resume(cfg, _ckpt(cfg.out_dir, 1), 1)
+    changes = check_resume(_ckpt(cfg.out_dir, 1), 1, options=asdict(cfg), defaults=asdict(Config()))
     task = get_task(cfg.task, reward_fn=load_reward(cfg.reward))
-    return {**changes, **check_inputs(cfg, input_fingerprints(cfg, task), changes)}
+    now = _fingerprints(cfg, task)
+    return {**changes, **check_inputs(cfg.out_dir, now, changes, accept_changed_inputs=cfg.accept_changed_inputs)}
+
+
+def _fingerprints(cfg, task):
+    """input_fingerprints of cfg's inputs and task's splits, taken as train_ppo.load_task takes them."""
+    return input_fingerprints(
+        task.train, task.test, model=cfg.model, task=cfg.task, eval_task=cfg.eval_task, reward=cfg.reward, env=cfg.env
+    )
 
 
 @pytest.fixture
@@ -423,7 +438,7 @@ def recorded(tmp_path):
     )
     os.makedirs(_ckpt(cfg.out_dir, 1))
     open(_ckpt(cfg.out_dir, 1, "meta.json"), "w").write(json.dumps({"step": 1, "world_size": 1}))
-    inputs = input_fingerprints(cfg, get_task(cfg.task, reward_fn=load_reward(cfg.reward)))
+    inputs = _fingerprints(cfg, get_task(cfg.task, reward_fn=load_reward(cfg.reward)))
     open(os.path.join(cfg.out_dir, "config.json"), "w").write(json.dumps({"config": asdict(cfg), "inputs": inputs}))
     return cfg
 

@@ -624,7 +624,7 @@ def test_sglang_engine_end_to_end(tmp_path):
 @pytest.mark.torchrun
 def test_sharded_resume_equals_uninterrupted(tmp_path):
     """Resume under tensor parallelism and FSDP at once (tp=2 x dp=2): optimizer states sharded over both mesh
-    dimensions go back into DTensors of the same placements (runlog._load_optimizer_state, one path for TP, FSDP and
+    dimensions go back into DTensors of the same placements (checkpoint._load_optimizer_state, one path for TP, FSDP and
     both), and a run stopped at step 2 and resumed to step 3 logs what an uninterrupted run with the same launch logs."""
 
     def launch(out, steps):
