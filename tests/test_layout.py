@@ -127,6 +127,16 @@ def test_no_module_over_700_formatted_lines():
     assert {m: n for m, n in lines.items() if n > MAX_LINES} == {}
 
 
+# The modules that build the run; every other one takes the values it uses (named arguments, or a small record such as
+# forward.Forward or tools.ToolLimits), so a helper's inputs are visible and a notebook calls it without a Config.
+CONFIG_USERS = {"config", "build", "train_ppo"}
+
+
+def test_only_the_run_builders_import_config():
+    users = {m for m in project_modules() for name, _ in imports(m) if name == "config.Config"}
+    assert users <= CONFIG_USERS, f"{sorted(users - CONFIG_USERS)} import config.Config"
+
+
 def test_losses_imports_torch_and_the_standard_library_only():
     names = {name.split(".")[0] for name, _ in imports("losses")}
     assert names - {"torch", "einops"} - set(sys.stdlib_module_names) == set()
