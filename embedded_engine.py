@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,17 @@ from decoder import (
     load_pretrained,
 )
 from rollout import Rollout, Sampling, check_request
+
+
+class _Layout(NamedTuple):
+    """One generate chunk's padded prompts and masks (EmbeddedEngine._layout). B rows, P prompt slots, N new tokens."""
+
+    ids: Tensor  # [prompts, P] the distinct prompts, left-padded
+    n_pad: Tensor  # [B] each row's left padding
+    pos: Tensor  # [B, P + N] rope positions, 0 at each row's first real token
+    valid: Tensor  # [B, P + N] bool: the slot holds a real token
+    decode_mask: Tensor  # [B * KV heads, 1, P + N] additive, sliced per decode step
+    prefill_mask: Tensor | None  # [P, 1, P] additive, or None: plain causal (no prompt padded)
 
 
 # Compute dtype per engine dtype; fp8 and int4 are bf16 compute over fake-quantised decoder Linear weights.
@@ -331,12 +342,37 @@ class EmbeddedEngine:
         response tokens and log-probs, the finish reasons, and an MoE's routing [B, width + T, L, k] (width: the longest
         prompt of the whole generate call, for to_batch's columns). With the prefix cache, the rows' keys and values
         go into `kept`."""
-        dev, n, N, K = self.device, s.n, s.max_new_tokens, self.lm.n_kv
+        n = s.n
+        B = len(prompts) * n
+        lay = self._layout(prompts, n, s.max_new_tokens)
+        P = lay.ids.size(1)
+        slots = self._kv_cache(B, P + s.max_new_tokens)
+        kv = [(slots[i, 0], slots[i, 1]) for i in range(self.lm.n_layers)]
+        routes, steps = ([], []) if self.lm.top_k else (None, None)  # MoE: each layer's experts per input position
+        logits = self._prefill(prompts, n, lay, slots, kv, routes)
+        tokens, logp, mask, done = self._decode(logits, s, uniforms, lay, kv, steps)
+        finish = ["stop" if d else "length" for d in done.tolist()]
+        routing = None
+        if routes is not None:  # [B, width + T, L, k]: prompt (its pads -1), response tokens 0 .. T-2, -1 for the last
+            pre = torch.stack(routes, 2).repeat_interleave(n, dim=0).masked_fill(~lay.valid[:, :P, None, None], -1)
+            dec = torch.cat(steps + [torch.full_like(pre[:, :1], -1)], 1).masked_fill(~mask[:, :, None, None], -1)
+            routing = F.pad(torch.cat([pre, dec], 1), (0, 0, 0, 0, width - P, 0), value=-1).cpu()
+        lens = mask.sum(1).tolist()  # a row's tokens are a prefix: it stops at its stop token
+        tokens = tokens.cpu()
+        logp = logp.cpu()
+        for b, k in enumerate(lens if self.prefix_cache else []):  # the slots written: prompt and response[:-1]
+            key = tuple(prompts[b // n] + tokens[b, : k - 1].tolist())
+            kept[key] = slots[:, :, b, :, int(lay.n_pad[b]) : P + k - 1].clone()
+        return [x[:k] for x, k in zip(tokens, lens)], [x[:k] for x, k in zip(logp, lens)], finish, routing
+
+    def _layout(self, prompts: list[list[int]], n: int, N: int) -> _Layout:
+        """The chunk's left-padded prompts and masks. Left padding makes every row write its next token to the same
+        cache slot; rope positions start at 0 at each row's first real token, as in the trainer's unpadded (or
+        position_ids) forward."""
+        dev, K = self.device, self.lm.n_kv
         B = len(prompts) * n
         lens = torch.tensor([len(p) for p in prompts])
         P = int(lens.max())
-        # Left-pad so every row writes its next token to the same cache slot; rope positions start at 0 at
-        # each row's first real token, as in the trainer's unpadded (or position_ids) forward.
         ids = torch.zeros(len(prompts), P, dtype=torch.long)
         for r, p in enumerate(prompts):
             ids[r, P - len(p) :] = torch.tensor(p)
@@ -352,15 +388,19 @@ class EmbeddedEngine:
             # A pad query also sees itself, so no softmax row is empty (an empty row gives NaN, and NaN
             # values would leak through zero attention weights into real rows).
             attend |= torch.eye(P, dtype=torch.bool, device=dev)
-            prefill_mask = torch.zeros(attend.shape, dtype=self.dtype, device=dev).masked_fill(~attend, -math.inf)[
-                :, None
-            ]
+            prefill_mask = self._additive(attend)
+        return _Layout(ids, n_pad, pos, valid, decode_mask, prefill_mask)
 
-        # Prefill each distinct prompt once, into the cache rows of its first sample (rows 0, n, 2n, ...),
-        # then copy those slots to the prompt's other n - 1 rows.
-        slots = self._kv_cache(B, P + N)
-        kv = [(slots[i, 0], slots[i, 1]) for i in range(self.lm.n_layers)]
-        routes, steps = ([], []) if self.lm.top_k else (None, None)  # MoE: each layer's experts per input position
+    def _additive(self, attend: Tensor) -> Tensor:
+        """A boolean attention pattern [q, k] as the additive mask [q, 1, k] the forward takes."""
+        return torch.zeros(attend.shape, dtype=self.dtype, device=self.device).masked_fill(~attend, -math.inf)[:, None]
+
+    def _prefill(self, prompts: list[list[int]], n: int, lay: _Layout, slots: Tensor, kv: list, routes) -> Tensor:
+        """Prefill each distinct prompt once, into the cache rows of its first sample (rows 0, n, 2n, ...), then copy
+        those slots to the prompt's other n - 1 rows. Returns the logits [B, V] of each row's first response token."""
+        dev = self.device
+        P = lay.ids.size(1)
+        prefill_mask = lay.prefill_mask
         lengths = sorted({len(k) for k in self._prefixes}, reverse=True)
         hits = [self._cached(p, lengths) for p in prompts] if lengths else []
         # Prefix cache: slots below `cut` come from the cache in every row (pads zeroed: never attended, but an
@@ -372,21 +412,27 @@ class EmbeddedEngine:
             if h is not None:
                 slots[:, :, r * n, :, a:cut] = h[:, :, :, : cut - a]
         if cut:
-            q_slot, key = torch.arange(cut, P, device=dev)[:, None], torch.arange(P, device=dev)
-            attend = (key <= q_slot) & valid[::n, None, :P] | (key == q_slot)  # a pad query sees itself, as above
-            prefill_mask = torch.zeros(attend.shape, dtype=self.dtype, device=dev).masked_fill(~attend, -math.inf)[
-                :, None
-            ]
+            q_slot = torch.arange(cut, P, device=dev)[:, None]
+            key = torch.arange(P, device=dev)
+            attend = (key <= q_slot) & lay.valid[::n, None, :P] | (key == q_slot)  # a pad query sees itself, as above
+            prefill_mask = self._additive(attend)
         self.prefill_tokens += sum(min(len(p), P - cut) for p in prompts)
         h = self.lm.forward(
-            ids[:, cut:].to(dev), pos[::n, cut:P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], cut, routes
+            lay.ids[:, cut:].to(dev), lay.pos[::n, cut:P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], cut, routes
         )
         if n > 1:
+            B = len(prompts) * n
             for cache in (c for pair in kv for c in pair):
                 grouped = cache.view(B // n, n, *cache.shape[1:])[:, :, :, :P]
                 grouped[:, 1:] = grouped[:, :1]
-        logits = F.linear(h[:, -1], self.lm.lm_head).repeat_interleave(n, dim=0)  # [B, V]
+        return F.linear(h[:, -1], self.lm.lm_head).repeat_interleave(n, dim=0)  # [B, V]
 
+    def _decode(self, logits: Tensor, s: Sampling, uniforms: Tensor, lay: _Layout, kv: list, steps):
+        """Draw up to s.max_new_tokens tokens per row from the prefill's logits, one forward per step, until every row
+        has stopped. Returns (tokens [B, T], log-probs [B, T], mask [B, T]: the response tokens, the stop token
+        included, done [B]: the row stopped); an MoE's routing of each step goes into `steps`."""
+        dev, N = self.device, s.max_new_tokens
+        B, P = logits.size(0), lay.ids.size(1)
         stop = torch.tensor(s.stop_token_ids, dtype=torch.long, device=dev)
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
         logp = torch.zeros(B, N, dtype=torch.float32, device=dev)
@@ -410,24 +456,9 @@ class EmbeddedEngine:
             if t == N - 1 or bool(done.all()):
                 break
             r = None if steps is None else []
-            h = self.lm.forward(tok, pos[:, P + t : P + t + 1], decode_mask[..., : P + t + 1], kv, P + t, r)
+            h = self.lm.forward(tok, lay.pos[:, P + t : P + t + 1], lay.decode_mask[..., : P + t + 1], kv, P + t, r)
             if r is not None:
                 steps.append(torch.stack(r, 2))  # [B, 1, L, k]: response token t as input
             logits = F.linear(h[:, -1], self.lm.lm_head)
         T = t + 1
-        mask = alive[:, :T]
-        finish = ["stop" if d else "length" for d in done.tolist()]
-        routing = None
-        if (
-            routes is not None
-        ):  # [B, width + T, L, k]: prompt (its pads -1), response tokens 0 .. T-2, -1 for the last one
-            pre = torch.stack(routes, 2).repeat_interleave(n, dim=0).masked_fill(~valid[:, :P, None, None], -1)
-            dec = torch.cat(steps + [torch.full_like(pre[:, :1], -1)], 1).masked_fill(~mask[:, :, None, None], -1)
-            routing = F.pad(torch.cat([pre, dec], 1), (0, 0, 0, 0, width - P, 0), value=-1).cpu()
-        lens = mask.sum(1).tolist()  # a row's tokens are a prefix: it stops at its stop token
-        tokens, logp = tokens.cpu(), logp.cpu()
-        for b, k in enumerate(lens if self.prefix_cache else []):  # the slots written: prompt and response[:-1]
-            kept[tuple(prompts[b // n] + tokens[b, : k - 1].tolist())] = slots[
-                :, :, b, :, int(n_pad[b]) : P + k - 1
-            ].clone()
-        return [x[:k] for x, k in zip(tokens, lens)], [x[:k] for x, k in zip(logp, lens)], finish, routing
+        return tokens[:, :T], logp[:, :T], alive[:, :T], done
