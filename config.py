@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from agent import load_env
 from data.rewards import load_reward
-from data.tasks import check_lengths
+from data.tasks import BUILTIN, check_lengths
 from moe import is_moe
 from parallel import SUPPORTED_MODELS, check_tp
 from rollout import Sampling
@@ -230,7 +230,7 @@ class Config:
 
 
 def _multi_turn(cfg: Config) -> bool:
-    return bool(cfg.env) or cfg.task in ("guess", "walk", "calc")  # the built-in multi-turn tasks (data/tasks.py)
+    return bool(cfg.env) or (cfg.task in BUILTIN and BUILTIN[cfg.task].multi_turn)
 
 
 def resolve(cfg: Config, world_size: int) -> dict:
@@ -397,7 +397,8 @@ def resolve(cfg: Config, world_size: int) -> dict:
         load_reward(cfg.reward)
     except ValueError as e:
         errors.append(str(e))
-    multi_turn, tool_env = _multi_turn(cfg), cfg.task == "calc" and not cfg.env  # calc: a built-in tool environment
+    multi_turn = _multi_turn(cfg)
+    tool_env = cfg.task in BUILTIN and BUILTIN[cfg.task].tool_env and not cfg.env
     if cfg.env:
         try:
             tool_env = is_tool_env(load_env(cfg.env))

@@ -44,7 +44,7 @@ import vine
 from agent import DEFAULT_MAX_TURNS, Episodes, episode_metrics, load_env, run_episodes
 from config import Config, check_model, resolve
 from data.rewards import load_reward
-from data.tasks import get_task, prompt_indices, prompt_keys
+from data.tasks import get_task, prompt_indices, prompt_keys, warmup_kind
 from evaluation import evaluate, rollouts, scored
 from forward import (
     check_finite,
@@ -369,9 +369,7 @@ def load_task(run: Run):
     if not model_path:
         from data.tiny import default_model
 
-        kind = (
-            cfg.task if cfg.task in ("addition", "sort", "guess", "walk", "calc") else "addition"
-        )  # the built-in tasks have their own warm-up
+        kind = warmup_kind(cfg.task)  # the built-in tasks have their own warm-up
         if run.rt.rank == 0:
             default_model(os.path.join(REPO, ".cache"), task=kind, arch=cfg.tiny)  # the other ranks find it cached
         if dist.is_initialized():
