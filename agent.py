@@ -216,9 +216,8 @@ def check_chat_template(tok, tools: list[dict] | None = None) -> None:
     for later in ([{"role": "user", "content": "y"}], [{"role": "tool", "content": "y"}]):
         try:
             text = _render(tok, base + later, True, tools)
-        except (
-            Exception
-        ):  # a template without a tool role: a tool episode would fail at its first tool turn, named there
+        except Exception:
+            # a template without a tool role: a tool episode would fail at its first tool turn, named there
             continue
         if THINK_PROBE not in text:
             raise ValueError(
@@ -274,9 +273,8 @@ class Start:
     env: object  # the environment at the state: run_episodes(snapshots=True) deep-copies it; starts= plays it itself
     where: str  # the episode it comes from, for errors
     prompt: list[int]
-    tokens: list[
-        int
-    ]  # the row's response so far, model and observation tokens; the state is response column len(tokens)
+    # the row's response so far, model and observation tokens; the state is response column len(tokens)
+    tokens: list[int]
     model: list[bool]  # per token of tokens: a model token
     turns: int  # turns played before the state
     ret: float  # rewards collected before the state
@@ -331,7 +329,11 @@ class Episodes:
 
 
 def _check_step(out, env, turn: str, text: str):
-    name, short = type(env).__name__, lambda x: repr(x)[:200]
+    name = type(env).__name__
+
+    def short(x):
+        return repr(x)[:200]
+
     if not (isinstance(out, tuple) and len(out) == 3):
         raise RuntimeError(
             f"environment {name}.step returned {short(out)} on {turn} (model text {text!r}); it must return "
@@ -368,6 +370,34 @@ def _longest_token(tok) -> int:
     return max(map(len, tok.get_vocab()))
 
 
+@dataclass(frozen=True)
+class _Play:
+    """What every step of run_episodes reads: the tokenizer, the environment (named for errors), the limits."""
+
+    tok: object
+    name: str  # "environment <class>", for errors
+    tools: list[dict] | None  # a tools.ToolEpisode class: the schemas of its tools
+    timeout: float
+    context_len: int
+    max_new_tokens: int  # every turn gets sampling.max_new_tokens
+    max_turns: int
+    compact_at: int
+
+    def user(self, method: str, fn, args: tuple, where: str):
+        """One call of the environment's code, its failures named."""
+        try:  # a ToolEpisode limits each call of the class's code itself
+            return call_user(fn, *args, timeout=self.timeout if self.tools is None else 0, what=f"{self.name}{method}")
+        except Exception as e:
+            raise RuntimeError(failure(f"{self.name}{method}", e, where)) from e
+
+    def render(self, f, *args, where: str) -> list[int]:
+        """The chat template on an environment's message (f: first_prompt_ids or observation_ids)."""
+        try:
+            return f(self.tok, *args)
+        except Exception as e:
+            raise RuntimeError(f"the chat template failed on the message of {self.name} on {where}: {e!r}") from e
+
+
 def run_episodes(
     engine,
     tok,
@@ -399,181 +429,202 @@ def run_episodes(
     are whole episodes' (rewards before the state included)."""
     if not 1 <= max_turns < _CALLS_PER_EPISODE // 2:  # turns and summaries must stay within the seed stride
         raise ValueError(f"run_episodes: max_turns must be in [1, {_CALLS_PER_EPISODE // 2}), got {max_turns}")
-    N, name = sampling.max_new_tokens, f"environment {getattr(env_cls, '__name__', repr(env_cls))}"
-
-    tools = getattr(env_cls, "tools", None)  # a tools.ToolEpisode class: the schemas of its tools
-
-    def user(method, fn, arg, where):  # one call of the environment's code, its failures named
-        try:  # a ToolEpisode limits each call of the class's code itself
-            return call_user(fn, *arg, timeout=timeout if tools is None else 0, what=f"{name}{method}")
-        except Exception as e:
-            raise RuntimeError(failure(f"{name}{method}", e, where)) from e
-
-    def render(f, *args, where):  # the chat template on an environment's message
-        try:
-            return f(tok, *args)
-        except Exception as e:
-            raise RuntimeError(f"the chat template failed on the message of {name} on {where}: {e!r}") from e
-
+    play = _Play(
+        tok,
+        name=f"environment {getattr(env_cls, '__name__', repr(env_cls))}",
+        tools=getattr(env_cls, "tools", None),
+        timeout=timeout,
+        context_len=context_len,
+        max_new_tokens=sampling.max_new_tokens,
+        max_turns=max_turns,
+        compact_at=compact_at,
+    )
     if (snapshots or starts is not None) and compact_at:
         raise ValueError("run_episodes: snapshots and starts are not implemented with compaction (compact_at)")
-    if tools is not None and compact_at:
+    if play.tools is not None and compact_at:
         raise ValueError("run_episodes: compaction (compact_at) is not implemented for tool environments")
-    check_chat_template(tok, tools)
+    check_chat_template(tok, play.tools)
+    eps = _start_episodes(play, env_cls, rows, sampling) if starts is None else _continue_from(play, starts)
+    starts_of: dict[int, list[Start]] = {}  # snapshots=True: per episode (its k), the state before each turn
+    while True:
+        live = _live_episodes(play, eps)
+        if not live:
+            break
+        if snapshots:
+            _snapshot(play, live, starts_of)
+        _play_turn(play, engine, sampling, live)
+    return _to_episodes(eps, starts_of if snapshots else None, tool_env=play.tools is not None)
+
+
+def _start_episodes(play: _Play, env_cls, rows: list[dict], sampling: Sampling) -> list[_Episode]:
+    """sampling.n episodes per task row, each at its first prompt; episode e's c-th call draws (seed + e) * 1024 + c."""
     eps = []
-    for i, st in enumerate(starts or ()):
-        where = f"a continuation (number {i}) of {st.where}"
-        if not callable(getattr(st.env, "reseed", None)):
-            raise ValueError(
-                f"{name} has no reseed(seed): a continuation plays on a copy of the environment and must draw "
-                "its own randomness afresh; define reseed (a no-op if it has no randomness of its own)"
-            )
-        user(".reseed", st.env.reseed, (st.seed + _CALLS_PER_EPISODE - 1,), where)
-        eps.append(
-            _Episode(
-                i,
-                st.env,
-                "",
-                where,
-                [
-                    _Row(
-                        list(st.prompt), list(st.tokens), list(st.model), [0.0] * len(st.tokens), [0.0] * len(st.tokens)
-                    )
-                ],
-                [],
-                st.seed,
-                st.turns,
-                ret=st.ret,
-            )
-        )
-    for i, row in enumerate(rows if starts is None else ()):
+    for i, row in enumerate(rows):
         for j in range(sampling.n):
             origin = row.get("where") or f"prompt {str(row.get('prompt'))[:60]!r}"
             where = f"episode {len(eps)} (row {i}: {origin}; sample {j})"
-            env = user("()", env_cls, (), where)
-            seed = (
-                (sampling.seed + len(eps)) * _CALLS_PER_EPISODE % 2**31
-            )  # + c < 1024: below 2^31, as (... + c) mod 2^31
-            if callable(getattr(env, "reseed", None)):
-                user(".reseed", env.reseed, (seed + _CALLS_PER_EPISODE - 1,), where)
-            first = user(".reset", env.reset, (copy.deepcopy(row),), where)
-            if not isinstance(first, str) or not first:
-                raise RuntimeError(
-                    f"{name}.reset returned {first!r} on {where}; it must return the first user message "
-                    "(a non-empty str)"
-                )
-            hidden = (
-                user(".critic_context", env.critic_context, (), where)
-                if callable(getattr(env, "critic_context", None))
-                else None
-            )
-            if hidden is not None and not isinstance(hidden, str):
-                raise RuntimeError(f"{name}.critic_context returned {hidden!r} on {where}; it must return a str")
-            room = context_len - N
-            prompt = (
-                [] if len(first) > room * _longest_token(tok) else render(first_prompt_ids, first, tools, where=where)
-            )
-            if not prompt or len(prompt) > room:
-                raise ValueError(
-                    f"run_episodes: the first message of {name}.reset on {where} is "
-                    f"{f'{len(prompt)} tokens' if prompt else f'{len(first)} characters'}; with --max-new-tokens "
-                    f"{N} it does not fit in the context ({context_len})"
-                )
-            eps.append(
-                _Episode(
-                    len(eps),
-                    env,
-                    first,
-                    where,
-                    [_Row(prompt)],
-                    [{"role": "user", "content": first}],
-                    seed,
-                    hidden=hidden,
-                )
-            )
+            # + c < 1024: below 2^31, as (... + c) mod 2^31
+            seed = (sampling.seed + len(eps)) * _CALLS_PER_EPISODE % 2**31
+            eps.append(_start_episode(play, env_cls, row, len(eps), where, seed))
+    return eps
 
-    def request(e):
-        return getattr(e.env, "summary_request", SUMMARY_REQUEST)
 
-    starts_of: dict[int, list[Start]] = {}
-    while True:
-        live = []
-        for e in eps:
-            if not e.finish and len(e.rows[-1].prompt) + len(e.rows[-1].tokens) + N > context_len:
-                e.finish = "context"
-            if not e.finish:
-                live.append(e)
-        if not live:
-            break
-        seeds = tuple(e.seed + e.calls for e in live)
-        for e in live if snapshots else ():
-            r = e.rows[-1]
-            try:
-                env = copy.deepcopy(e.env)
-            except Exception as err:
-                raise RuntimeError(
-                    f"{name} cannot be copied (copy.deepcopy) on turn {e.turns + 1} of {e.where}, which "
-                    f"--algo vine needs to play continuations from the state: {err!r}"
-                ) from err
-            starts_of.setdefault(e.k, []).append(
-                Start(env, e.where, list(r.prompt), list(r.tokens), list(r.model), e.turns, e.ret)
-            )
-        ro = engine.generate([e.rows[-1].prompt + e.rows[-1].tokens for e in live], replace(sampling, n=1, seeds=seeds))
-        for i, e in enumerate(live):
-            row, m = e.rows[-1], ro.mask[i]
-            ids = ro.tokens[i][m].tolist()
-            row.add(ids, ro.infer_logp[i][m].tolist())
-            e.calls += 1
-            if ro.finish_reasons[i] != "stop":
-                e.finish = "turn_length"
-                continue
-            text = (
-                tok.decode(ids, skip_special_tokens=True) if tools is None else tok.decode(ids[:-1])
-            )  # tool markup may be special
-            e.messages.append({"role": "assistant", "content": text})
-            if e.summarising:  # this turn was the summary: the row ends, the episode goes on from the task + summary
-                row.finish, e.summarising = "compact", False
-                e.rows.append(_Row(summary_prompt(tok, e.first, ids[:-1])))
-                continue
-            turn = f"turn {e.turns + 1} of {e.where}"
-            obs, reward, done = _check_step(
-                user(".step", e.env.step, (text,), f"{turn} (model text {text!r})"), e.env, turn, text
-            )
-            row.rewards[-1] += reward
-            row.turns += 1
-            e.turns += 1
-            e.ret += reward
-            if done or e.turns == max_turns:
-                e.finish = "done" if done else "turns"
-                continue
-            used, size = (
-                len(row.prompt) + len(row.tokens),
-                len(obs) if isinstance(obs, str) else sum(len(m["content"]) for m in obs),
-            )
-            stop = None if ids[-1] == tok.eos_token_id else tok.convert_ids_to_tokens(ids[-1])
-            obs_ids = (
-                None
-                if size > (context_len - used) * _longest_token(tok)
-                else render(observation_ids, obs, stop, tools, where=turn)
-            )
-            if obs_ids is not None and compact_at and used + len(obs_ids) > compact_at:
-                obs = f"{obs}\n\n{request(e)}"
-                obs_ids, e.summarising = render(observation_ids, obs, where=turn), True
-            if (
-                obs_ids is None or used + len(obs_ids) > context_len
-            ):  # appended, it would make a row longer than the context
-                if name not in _WARNED:  # once per environment: the rest show in rollout/finish_context_frac
-                    _WARNED.add(name)
-                    warnings.warn(
-                        f"{name}.step returned a {size:,}-character observation on {turn}, longer than the "
-                        f"{context_len - used} tokens of context left: the episode ends ('context'), as do later "
-                        "ones (rollout/finish_context_frac)"
-                    )
-                e.finish, e.summarising = "context", False
-                continue
-            e.messages += [{"role": "user", "content": obs}] if isinstance(obs, str) else copy.deepcopy(obs)
-            row.add(obs_ids, model=False)
+def _start_episode(play: _Play, env_cls, row: dict, k: int, where: str, seed: int) -> _Episode:
+    """Episode k on task row `row`: its environment built, reseeded (where it can be), reset on a copy of the row, its
+    critic context taken, and its first prompt encoded; a first message that cannot fit in the context is an error."""
+    env = play.user("()", env_cls, (), where)
+    if callable(getattr(env, "reseed", None)):
+        play.user(".reseed", env.reseed, (seed + _CALLS_PER_EPISODE - 1,), where)
+    first = play.user(".reset", env.reset, (copy.deepcopy(row),), where)
+    if not isinstance(first, str) or not first:
+        raise RuntimeError(
+            f"{play.name}.reset returned {first!r} on {where}; it must return the first user message (a non-empty str)"
+        )
+    hidden = None
+    if callable(getattr(env, "critic_context", None)):
+        hidden = play.user(".critic_context", env.critic_context, (), where)
+    if hidden is not None and not isinstance(hidden, str):
+        raise RuntimeError(f"{play.name}.critic_context returned {hidden!r} on {where}; it must return a str")
+    room = play.context_len - play.max_new_tokens
+    # a message this many characters long cannot fit in `room` tokens: not encoded
+    if len(first) > room * _longest_token(play.tok):
+        prompt = []
+    else:
+        prompt = play.render(first_prompt_ids, first, play.tools, where=where)
+    if not prompt or len(prompt) > room:
+        raise ValueError(
+            f"run_episodes: the first message of {play.name}.reset on {where} is "
+            f"{f'{len(prompt)} tokens' if prompt else f'{len(first)} characters'}; with --max-new-tokens "
+            f"{play.max_new_tokens} it does not fit in the context ({play.context_len})"
+        )
+    return _Episode(k, env, first, where, [_Row(prompt)], [{"role": "user", "content": first}], seed, hidden=hidden)
 
+
+def _continue_from(play: _Play, starts: list[Start]) -> list[_Episode]:
+    """VinePPO's continuations: one episode from each Start, its environment reseeded with start.seed + 1023."""
+    eps = []
+    for i, st in enumerate(starts):
+        where = f"a continuation (number {i}) of {st.where}"
+        if not callable(getattr(st.env, "reseed", None)):
+            raise ValueError(
+                f"{play.name} has no reseed(seed): a continuation plays on a copy of the environment and must draw "
+                "its own randomness afresh; define reseed (a no-op if it has no randomness of its own)"
+            )
+        play.user(".reseed", st.env.reseed, (st.seed + _CALLS_PER_EPISODE - 1,), where)
+        row = _Row(list(st.prompt), list(st.tokens), list(st.model), [0.0] * len(st.tokens), [0.0] * len(st.tokens))
+        eps.append(_Episode(i, st.env, "", where, [row], [], st.seed, st.turns, ret=st.ret))
+    return eps
+
+
+def _live_episodes(play: _Play, eps: list[_Episode]) -> list[_Episode]:
+    """The episodes that play another turn; one whose next turn would pass the context ends here ("context")."""
+    live = []
+    for e in eps:
+        row = e.rows[-1]
+        if not e.finish and len(row.prompt) + len(row.tokens) + play.max_new_tokens > play.context_len:
+            e.finish = "context"
+        if not e.finish:
+            live.append(e)
+    return live
+
+
+def _snapshot(play: _Play, live: list[_Episode], starts_of: dict[int, list[Start]]) -> None:
+    """VinePPO: each live episode's state before its next turn (its environment deep-copied) onto starts_of[e.k]."""
+    for e in live:
+        r = e.rows[-1]
+        try:
+            env = copy.deepcopy(e.env)
+        except Exception as err:
+            raise RuntimeError(
+                f"{play.name} cannot be copied (copy.deepcopy) on turn {e.turns + 1} of {e.where}, which "
+                f"--algo vine needs to play continuations from the state: {err!r}"
+            ) from err
+        starts_of.setdefault(e.k, []).append(
+            Start(env, e.where, list(r.prompt), list(r.tokens), list(r.model), e.turns, e.ret)
+        )
+
+
+def _play_turn(play: _Play, engine, sampling: Sampling, live: list[_Episode]) -> None:
+    """One turn of every live episode: one engine call over them all, then each episode's turn taken (_take_turn)."""
+    seeds = tuple(e.seed + e.calls for e in live)
+    ro = engine.generate([e.rows[-1].prompt + e.rows[-1].tokens for e in live], replace(sampling, n=1, seeds=seeds))
+    for i, e in enumerate(live):
+        m = ro.mask[i]
+        _take_turn(play, e, ro.tokens[i][m].tolist(), ro.infer_logp[i][m].tolist(), ro.finish_reasons[i])
+
+
+def _take_turn(play: _Play, e: _Episode, ids: list[int], logp: list[float], finish_reason: str) -> None:
+    """Episode e's sampled turn (its ids and the engine's log-probs): appended to its row, then either the summary
+    that ends the row (compaction) or the text stepped in the environment, whose observation follows the turn."""
+    row = e.rows[-1]
+    row.add(ids, logp)
+    e.calls += 1
+    if finish_reason != "stop":
+        e.finish = "turn_length"
+        return
+    if play.tools is None:
+        text = play.tok.decode(ids, skip_special_tokens=True)
+    else:
+        # tool markup may be special tokens: kept, the stop token dropped
+        text = play.tok.decode(ids[:-1])
+    e.messages.append({"role": "assistant", "content": text})
+    if e.summarising:  # this turn was the summary: the row ends, the episode goes on from the task + summary
+        row.finish = "compact"
+        e.summarising = False
+        e.rows.append(_Row(summary_prompt(play.tok, e.first, ids[:-1])))
+        return
+    turn = f"turn {e.turns + 1} of {e.where}"
+    obs, reward, done = _check_step(
+        play.user(".step", e.env.step, (text,), f"{turn} (model text {text!r})"), e.env, turn, text
+    )
+    row.rewards[-1] += reward
+    row.turns += 1
+    e.turns += 1
+    e.ret += reward
+    if done or e.turns == play.max_turns:
+        e.finish = "done" if done else "turns"
+        return
+    _add_observation(play, e, obs, ids[-1], turn)
+
+
+def _add_observation(play: _Play, e: _Episode, obs: str | list[dict], last_id: int, turn: str) -> None:
+    """The observation's ids appended to episode e's row after its turn (which ended with token last_id), with the
+    summary request where the row would pass compact_at; an observation that does not fit ends the episode
+    ("context") with a warning, once per environment."""
+    tok = play.tok
+    row = e.rows[-1]
+    used = len(row.prompt) + len(row.tokens)
+    size = len(obs) if isinstance(obs, str) else sum(len(m["content"]) for m in obs)
+    stop = None if last_id == tok.eos_token_id else tok.convert_ids_to_tokens(last_id)
+    # an observation this many characters long cannot fit in the context left: not encoded
+    if size > (play.context_len - used) * _longest_token(tok):
+        obs_ids = None
+    else:
+        obs_ids = play.render(observation_ids, obs, stop, play.tools, where=turn)
+    if obs_ids is not None and play.compact_at and used + len(obs_ids) > play.compact_at:
+        obs = f"{obs}\n\n{getattr(e.env, 'summary_request', SUMMARY_REQUEST)}"
+        obs_ids = play.render(observation_ids, obs, where=turn)
+        e.summarising = True
+    # appended, it would make a row longer than the context
+    if obs_ids is None or used + len(obs_ids) > play.context_len:
+        if play.name not in _WARNED:  # once per environment: the rest show in rollout/finish_context_frac
+            _WARNED.add(play.name)
+            warnings.warn(
+                f"{play.name}.step returned a {size:,}-character observation on {turn}, longer than the "
+                f"{play.context_len - used} tokens of context left: the episode ends ('context'), as do later "
+                "ones (rollout/finish_context_frac)"
+            )
+        e.finish = "context"
+        e.summarising = False
+        return
+    e.messages += [{"role": "user", "content": obs}] if isinstance(obs, str) else copy.deepcopy(obs)
+    row.add(obs_ids, model=False)
+
+
+def _to_episodes(eps: list[_Episode], starts_of: dict[int, list[Start]] | None, tool_env: bool) -> Episodes:
+    """The finished episodes as training rows (what run_episodes returns): each row's finish set, and every row
+    carrying its episode's return (the rewards of the episode's later rows added on its last model token); per episode
+    its snapshots (starts_of, where recorded) and tool statistics (tool_env)."""
     out = []  # (episode, row)
     for k, e in enumerate(eps):
         rs = [r for r in e.rows if any(r.model)]  # a new row with no turn (the context ran out) is not a row
@@ -582,7 +633,8 @@ def run_episodes(
             r.finish = r.finish or e.finish
             last = max(j for j, is_model in enumerate(r.model) if is_model)
             own = sum(r.rewards)
-            r.rewards[last] += later  # the rest of the episode's rewards: every row carries the episode's return
+            # the rest of the episode's rewards: every row carries the episode's return
+            r.rewards[last] += later
             later += own
         out += [(k, r) for r in rs]
     rows = [r for _, r in out]
@@ -605,8 +657,8 @@ def run_episodes(
         [e.finish for e in eps],
         [e.messages for e in eps],
         [e.hidden for e in eps],
-        [starts_of.get(e.k, []) for e in eps] if snapshots else [],
-        [dict(e.env.stats) for e in eps] if tools is not None else [],
+        [starts_of.get(e.k, []) for e in eps] if starts_of is not None else [],
+        [dict(e.env.stats) for e in eps] if tool_env else [],
     )
 
 
@@ -616,14 +668,16 @@ def episode_metrics(ep: Episodes) -> dict[str, float]:
     environment adds tool/calls_per_episode, tool/error_frac (of the calls), tool/use_frac (episodes with a call),
     tool/seconds (in tools, this batch), tool/task_reward and tool/env_reward (the two parts of the return, per
     episode) and tool/turn_limit_frac (episodes cut by the turn budget while calling tools)."""
-    ro, E = ep.rollout, len(ep.turns)
+    ro = ep.rollout
+    E = len(ep.turns)
     out = {
         "rollout/turns_mean": sum(ep.turns) / E,
         "rollout/rows_per_episode": len(ep.episode) / E,
         "rollout/obs_token_frac": float((ro.attend & ~ro.mask).sum() / ro.attend.sum().clamp_min(1)),
     }
     out.update({f"rollout/finish_{k}_frac": sum(f == k for f in ep.finish) / E for k in FINISH_REASONS})
-    if st := ep.tool_stats:  # a tool environment
+    st = ep.tool_stats
+    if st:  # a tool environment
 
         def total(k):
             return sum(x[k] for x in st)

@@ -34,7 +34,7 @@ from checkpoint import (
 from agent import DEFAULT_MAX_TURNS, load_env, run_episodes
 from config import Config, Plan, check_model, resolve
 from data.rewards import load_reward
-from data.tasks import Task, get_task, prompt_keys
+from data.tasks import Task, get_task, prompt_keys, warmup_kind
 from embedded_engine import EmbeddedEngine
 from evaluation import evaluate
 from forward import Forward, check_head
@@ -185,7 +185,7 @@ def load_task(run: Run) -> tuple[Task, Any, str, Inputs]:
     if not model_path:
         from data.tiny import default_model
 
-        kind = cfg.task if cfg.task in ("addition", "sort", "guess", "walk", "calc") else "addition"  # own warm-ups
+        kind = warmup_kind(cfg.task)  # the built-in tasks have their own warm-up
         cache = os.path.join(REPO, ".cache")
         if run.rt.rank == 0:
             default_model(cache, task=kind, arch=cfg.tiny)  # the other ranks find it cached

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from agent import load_env
 from checkpoint import safetensors_problem
 from data.rewards import load_reward
-from data.tasks import check_lengths
+from data.tasks import BUILTIN, check_lengths
 from moe import is_moe
 from parallel import SUPPORTED_MODELS, check_tp
 from rollout import Sampling
@@ -235,7 +235,7 @@ class Plan:
 
 
 def _multi_turn(cfg: Config) -> bool:
-    return bool(cfg.env) or cfg.task in ("guess", "walk", "calc")  # the built-in multi-turn tasks (data/tasks.py)
+    return bool(cfg.env) or (cfg.task in BUILTIN and BUILTIN[cfg.task].multi_turn)
 
 
 def resolve(cfg: Config, world_size: int) -> Plan:
@@ -277,7 +277,7 @@ def _tool_env(cfg: Config) -> tuple[bool, list[str]]:
     """(whether the run's environment is a tool environment, the errors of loading --env). Loading runs the
     environment file's top level: its errors are named here, before any work."""
     if not cfg.env:
-        return cfg.task == "calc", []  # calc: the built-in tool environment
+        return cfg.task in BUILTIN and BUILTIN[cfg.task].tool_env, []
     try:
         return is_tool_env(load_env(cfg.env)), []
     except ValueError as e:

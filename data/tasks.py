@@ -10,7 +10,8 @@ terminal rewards; data/rewards.py holds the built-ins, the loader of --reward an
     walk      "wind 9: 3 to go, 5 left", then "1" (step) or "2" (jump) per turn, a gust after turn 1  (data/walk.py)
     your data a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder or a hub name (load_task)
 
-`get_task(name, ...)` picks one by name or path.
+`get_task(name, ...)` picks one by name or path; BUILTIN says what each built-in task is (multi-turn, a tool
+environment, its default model's warm-up) before it is built.
 """
 
 import csv
@@ -30,10 +31,12 @@ import pyarrow.parquet
 import torch
 
 from data.calc import MAX_TURNS as CALC_TURNS, CalcTools, calc_rows
+from data.calc import demo_move as calc_move
 from data.guess import MAX_TURNS, GuessEnv, guess_rows
 from data.rewards import DEFAULT_USER_TIMEOUT, check_reward, exact
 from data.rg import rg_rows
 from data.walk import TURNS, WalkEnv, walk_rows
+from data.walk import demo_move as walk_move
 
 
 @dataclass
@@ -278,7 +281,7 @@ def _read_source(name: str, split: str, flag: str) -> tuple[str, list[tuple[str,
         ds, label = _pick_split(_load_hub(name, split, flag), name, split, flag)
         return label, [(f"row {i}", row) for i, row in enumerate(ds.to_list())]
     raise ValueError(
-        f"unknown task {name!r}: choose one of {sorted(TASKS)}, rg:<name> (a reasoning-gym dataset), or give a {' / '.join(FILE_TYPES)} file, a "
+        f"unknown task {name!r}: choose one of {sorted(BUILTIN)}, rg:<name> (a reasoning-gym dataset), or give a {' / '.join(FILE_TYPES)} file, a "
         "datasets.save_to_disk folder or a hub dataset name owner/name"
     )
 
@@ -451,8 +454,8 @@ def eval_examples(
     path: str, *, prompt_field: str = "prompt", answer_field: str = "answer", split: str = "test"
 ) -> list[dict]:
     """Every row of an --eval-task source (a built-in task's test split, or load_task's forms), validated."""
-    if path in TASKS:
-        return [{**r, "where": f"{path}: test row {i}"} for i, r in enumerate(TASKS[path]().test.to_list())]
+    if path in BUILTIN:
+        return [{**r, "where": f"{path}: test row {i}"} for i, r in enumerate(BUILTIN[path].make().test.to_list())]
     label, rows = _read_source(path, split, "--eval-task")
     examples = _examples(label, rows, prompt_field, answer_field)
     if not examples:
@@ -572,7 +575,38 @@ def rg_task(name: str, n_train: int = 10000, n_test: int = 500) -> Task:
     )
 
 
-TASKS = {"addition": addition_task, "sort": sort_task, "guess": guess_task, "walk": walk_task, "calc": calc_task}
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in task (--task <name>): what the checks, the loop and the default model need to know of it, before
+    it is built."""
+
+    make: Callable[[], Task]
+    """Builds the task at its default seed and sizes."""
+    multi_turn: bool
+    """Played by agent.run_episodes on its own environment (Task.env)."""
+    tool_env: bool
+    """Its environment is a tool environment (TRL's form, played through tools.ToolEpisode)."""
+    warmup: str
+    """The warm-up of the default model it starts from: data.tiny.default_model's task (a DEFAULT_WARMUP key)."""
+    demo_move: Callable[[str, random.Random], str] | None = None
+    """A multi-turn task's warm-up demonstrations: the move data.tiny.demo_engine plays (None: noisy bisection)."""
+    demo_compaction: bool = False
+    """A third of its warm-up demonstrations are compacted (the bisection answers a summary request)."""
+
+
+BUILTIN = {
+    "addition": Builtin(addition_task, multi_turn=False, tool_env=False, warmup="addition"),
+    "sort": Builtin(sort_task, multi_turn=False, tool_env=False, warmup="sort"),
+    "guess": Builtin(guess_task, multi_turn=True, tool_env=False, warmup="guess", demo_compaction=True),
+    "walk": Builtin(walk_task, multi_turn=True, tool_env=False, warmup="walk", demo_move=walk_move),
+    "calc": Builtin(calc_task, multi_turn=True, tool_env=True, warmup="calc", demo_move=calc_move),
+}
+
+
+def warmup_kind(task: str) -> str:
+    """The warm-up of the default model (data.tiny.default_model's task) for --task `task`: a built-in task's own,
+    addition's for any other (a file, a hub dataset, rg:<name>)."""
+    return BUILTIN[task].warmup if task in BUILTIN else "addition"
 
 
 def get_task(
@@ -590,8 +624,8 @@ def get_task(
     or your data (load_task's forms), with `reward_fn` (default:
     exact match) and, if given, `eval_task` as the whole held-out set. A reward that cannot take the data's columns
     is refused here (check_reward), before any model loads."""
-    if name in TASKS or name.startswith("rg:"):
-        task = rg_task(name[3:]) if name.startswith("rg:") else TASKS[name]()
+    if name in BUILTIN or name.startswith("rg:"):
+        task = rg_task(name[3:]) if name.startswith("rg:") else BUILTIN[name].make()
         if reward_fn is not None:
             task.reward_fn = reward_fn
         if eval_task:

@@ -32,8 +32,7 @@ import tools
 from data.calc import P_TOOL
 from data.calc import demo_move as calc_move
 from data.guess import interval
-from data.tasks import TASKS, Task, calc_task, encode_prompt
-from data.walk import demo_move as walk_move
+from data.tasks import BUILTIN, Task, calc_task, encode_prompt
 from embedded_engine import EmbeddedEngine
 from rollout import Rollout, Sampling
 
@@ -254,12 +253,14 @@ def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callab
     for walk and calc their modules' demo_move (no compaction; calc's tool environment played as train_ppo.py plays it)."""
     rows = task.train.to_list()
     val, rest = rows[:n_eval], rows[n_eval:]
-    guess = task.name == "guess"
+    builtin = BUILTIN.get(task.name)
+    compaction = builtin is not None and builtin.demo_compaction
+    move = builtin.demo_move if builtin is not None else None
     env = tools.tool_env(task.env, max_turns=task.max_turns, task=task) if tools.is_tool_env(task.env) else task.env
     pool = []
     for i in range(0, len(rest), 1000):
         chunk = rest[i : i + 1000]
-        engine = demo_engine(tok, move={"walk": walk_move, "calc": calc_move}.get(task.name))
+        engine = demo_engine(tok, move=move)
         ep = agent.run_episodes(
             engine,
             tok,
@@ -268,7 +269,7 @@ def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callab
             Sampling(max_new_tokens=task.max_new_tokens, seed=seed + i),
             max_turns=task.max_turns,
             context_len=tok.model_max_length,
-            compact_at=90 if i % 3000 == 0 and guess else 0,
+            compact_at=90 if i % 3000 == 0 and compaction else 0,
         )
         pool += demo_pool(ep.rollout)
 
@@ -525,7 +526,7 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
             )
         else:
             build_tiny_model(tmp, seed=seed, arch=arch)
-            stats = warmup(tmp, tmp, TASKS[task](), **DEFAULT_WARMUP[task], seed=seed)
+            stats = warmup(tmp, tmp, BUILTIN[task].make(), **DEFAULT_WARMUP[task], seed=seed)
             if arch == "moe":
                 untie_head(tmp)
         stats["built_with"] = {

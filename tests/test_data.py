@@ -13,7 +13,17 @@ import transformers
 
 from conftest import CACHE, require_extras
 from data.rewards import exact_match_reward, reward_columns, score
-from data.tasks import Task, addition_task, check_lengths, encode_prompt, get_task, load_task, sort_task
+from data.tasks import (
+    BUILTIN,
+    Task,
+    addition_task,
+    check_lengths,
+    encode_prompt,
+    get_task,
+    load_task,
+    sort_task,
+    warmup_kind,
+)
 from data.tiny import (
     DEFAULT_WARMUP,
     EOS_ID,
@@ -26,6 +36,7 @@ from data.tiny import (
     tiny_config,
     warmup,
 )
+from tools import is_tool_env
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +215,20 @@ def test_load_task_bad_inputs(tmp_path):
         get_task("subtraction")
 
 
+def test_builtin_table_says_what_each_task_builds():
+    """BUILTIN describes each built-in task before it is built (config.resolve reads it); built, the task agrees."""
+    for name, builtin in BUILTIN.items():
+        task = builtin.make()
+        assert task.name == name
+        assert builtin.multi_turn == (task.env is not None)
+        assert builtin.tool_env == (task.env is not None and is_tool_env(task.env))
+        assert builtin.warmup in DEFAULT_WARMUP
+        assert builtin.multi_turn or (builtin.demo_move is None and not builtin.demo_compaction)
+        assert warmup_kind(name) == builtin.warmup
+    assert warmup_kind("data.jsonl") == "addition"  # any other task starts from the addition model
+    assert warmup_kind("rg:leg_counting") == "addition"
+
+
 def test_load_task_not_utf8_names_line(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"prompt": "q0", "answer": "a0"}\n\n{"prompt": "caf\xe9", "answer": "a1"}\n')
@@ -358,7 +383,7 @@ def test_default_model_builds_with_fixed_threads(tmp_path, monkeypatch):
 
 
 @pytest.mark.e2e  # the warm-up run that builds each task's default model (when .cache lacks it)
-@pytest.mark.parametrize("task", ["addition", "sort"])
+@pytest.mark.parametrize("task", [name for name, builtin in BUILTIN.items() if not builtin.multi_turn])
 def test_default_model_reaches_target(task):
     """Builds each task's default model once (1-3 minutes, cached in .cache/) and re-checks its accuracy."""
     cache = CACHE
