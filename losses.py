@@ -619,17 +619,49 @@ def value_loss(
     return loss, {"critic/value_loss": metric, "critic/clipfrac": clipfrac, "critic/value_mean": _mean0(v, mask)}
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
-    """1 - Var(R - V) / Var(R) over valid tokens (0-d, detached). NaN when the returns are constant."""
+def ev_stats(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """The sufficient statistics of the explained variance over the valid tokens: [5] float64, detached,
+
+        (n, sum R, sum R^2, sum e, sum e^2)      e = R - V, sums over the n tokens of mask
+
+    values, returns: [B, T]; mask: bool [B, T]. Summed over micro-batches and ranks (runlog.Metrics.add_ev) they are
+    those of all the tokens, and ev_from_stats of the sum is the EV of the whole batch, as verl and NeMo-RL compute it,
+    not a mean of per-rank EVs. float64: the variances are differences of these sums, which cancel.
+    """
     _check(mask, values=values, returns=returns)
     with torch.no_grad():
-        r, v = returns.float(), values.float()
+        r = returns.double()
+        e = r - values.double()
+        return torch.stack(
+            [mask.sum().double(), (r * mask).sum(), (r * r * mask).sum(), (e * mask).sum(), (e * e * mask).sum()]
+        )
 
-        def var(x: Tensor) -> Tensor:
-            return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
 
-        var_r = var(r)
-        return torch.where(var_r > 0, 1 - var(r - v) / var_r, torch.full_like(var_r, float("nan")))
+# With all returns equal, Var(R) = E[R^2] - E[R]^2 of float64 sums is round-off (about log2(n) x 1e-16 of E[R^2]),
+# not 0, and 1 - Var(e) / Var(R) a huge number made of it. Below 1e-12 of E[R^2] (a spread under 1e-6 of the returns'
+# size, a few float32 ulps) the returns count as equal.
+EV_CONSTANT_RTOL = 1e-12
+
+
+def ev_from_stats(stats: Tensor) -> Tensor:
+    """EV = 1 - Var(R - V) / Var(R) from ev_stats' statistics (summed over any number of batches): [..., 5] -> [...]
+    float32. Var = E[x^2] - E[x]^2, the mean of squared deviations (divides by the count n).
+
+    NaN where Var(R) = 0 (all returns equal, up to EV_CONSTANT_RTOL) or where there is no token (n = 0).
+    """
+    n, sum_r, sum_r2, sum_e, sum_e2 = stats.double().unbind(-1)
+    n = n.clamp_min(1)  # no token: every sum is 0, so Var(R) = 0 and the result NaN, without a 0 / 0 on the way
+    var_r = sum_r2 / n - (sum_r / n) ** 2
+    var_e = sum_e2 / n - (sum_e / n) ** 2
+    constant = var_r <= EV_CONSTANT_RTOL * sum_r2 / n
+    return torch.where(constant, torch.full_like(var_r, float("nan")), 1 - var_e / var_r).float()
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(R - V) / Var(R) over the valid tokens of this batch alone (0-d float32, detached): ev_from_stats of
+    ev_stats. NaN when the returns are constant or no token is valid. Over several micro-batches or ranks, sum the
+    ev_stats instead (runlog.Metrics.add_ev)."""
+    return ev_from_stats(ev_stats(values, returns, mask))
 
 
 def position_buckets(T: int) -> list[tuple[str, int, int]]:
@@ -644,10 +676,8 @@ def position_buckets(T: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def explained_variance_by_position(
-    values: Tensor, returns: Tensor, mask: Tensor, width: int | None = None
-) -> dict[str, Tensor]:
-    """explained_variance restricted to each bucket of position_buckets(width or T): {"critic/ev_pos_<label>": 0-d}.
+def ev_stats_by_position(values: Tensor, returns: Tensor, mask: Tensor, width: int | None = None) -> dict[str, Tensor]:
+    """ev_stats restricted to each bucket of position_buckets(width or T): {"critic/ev_pos_<label>": [5] float64}.
     Give width (the response budget) when ranks hold batches of different T, so they all return the same keys.
 
     Early positions are the hard ones (the value must predict the whole outcome); the last position before
@@ -656,6 +686,14 @@ def explained_variance_by_position(
     _check(mask, values=values, returns=returns)
     cols = torch.arange(mask.size(1), device=mask.device)
     return {
-        f"critic/ev_pos_{label}": explained_variance(values, returns, mask & (cols >= lo) & (cols < hi))
+        f"critic/ev_pos_{label}": ev_stats(values, returns, mask & (cols >= lo) & (cols < hi))
         for label, lo, hi in position_buckets(max(width or 0, mask.size(1)))
     }
+
+
+def explained_variance_by_position(
+    values: Tensor, returns: Tensor, mask: Tensor, width: int | None = None
+) -> dict[str, Tensor]:
+    """explained_variance of this batch alone in each bucket of position_buckets(width or T):
+    {"critic/ev_pos_<label>": 0-d float32} (ev_from_stats of ev_stats_by_position)."""
+    return {k: ev_from_stats(st) for k, st in ev_stats_by_position(values, returns, mask, width).items()}

@@ -777,10 +777,10 @@ def update_critic(
             norm, ok, weights_ok = optimizer_step(models.critic, models.opts["critic"], cfg, run.dp_group)
             check_finite(ok, weights_ok, models.bad, "critic", where, norm, cfg)
             m.add({"critic/grad_norm": norm, "train/skipped_critic_update": float(not ok)})
-    m.add(
+    m.add_ev(
         {
-            "critic/explained_variance": losses.explained_variance(old.values, returns, mask),
-            **losses.explained_variance_by_position(old.values, returns, mask, batch.width),
+            "critic/explained_variance": losses.ev_stats(old.values, returns, mask),
+            **losses.ev_stats_by_position(old.values, returns, mask, batch.width),
         }
     )
 
@@ -833,7 +833,7 @@ def update_policy(
 
 
 def step_metrics(run: Run, batch: Batch, m: Metrics, seconds: float) -> dict:
-    """The rollout's sizes and speed, the step's time and peak memory."""
+    """The rollout's sizes and speed, the step's time and peak memory; --algo vine's EV statistics go to m.add_ev."""
     dp, lengths, ro = run.plan["dp"], batch.gen_mask.sum(-1), batch.ro
     out = {
         "rollout/response_len_mean": lengths.float().mean(),
@@ -845,8 +845,9 @@ def step_metrics(run: Run, batch: Batch, m: Metrics, seconds: float) -> dict:
         "train/response_tokens": lengths.sum().float() * dp,  # dp ranks' sum: mean x dp
         "time/step": seconds,
         **(episode_metrics(batch.out) if isinstance(batch.out, Episodes) else {}),
-        **(vine.metrics(batch.vine, batch.token_rewards, batch.mask, batch.width) if batch.vine is not None else {}),
     }
+    if batch.vine is not None:
+        m.add_ev(vine.ev_stats(batch.vine, batch.token_rewards, batch.mask, batch.width))
     if run.cfg.algo == "grpo":  # groups whose n rewards are all equal carry no GRPO signal
         groups = batch.scores.view(-1, run.plan["n"])
         out["grpo/identical_reward_frac"] = (groups.amax(-1) == groups.amin(-1)).float().mean()

@@ -1,5 +1,6 @@
 """What the test files share: paths, the subprocess environment, a small run config, runners for the CLI and torchrun,
-the metrics reader, the trainer's log-prob recompute, the tiny default model, and the hooks that make the markers act.
+the metrics reader, a plain explained variance, the trainer's log-prob recompute, the tiny default model, and the hooks
+that make the markers act.
 
 Markers (pytest.ini, --strict-markers):
     e2e       a training run (train_ppo.main, a default model's warm-up), a subprocess job (train_ppo.py, bench/
@@ -136,6 +137,13 @@ def read_metrics(out_dir, volatile: bool = True) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return rows if volatile else [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def direct_ev(v: torch.Tensor, r: torch.Tensor, mask: torch.Tensor) -> float:
+    """The explained variance the plain way, on the valid tokens pulled out: 1 - Var(R - V) / Var(R), population
+    variances, in the tensors' dtype (NaN without a token): what losses.ev_from_stats must give."""
+    rr, vv = r[mask], v[mask]
+    return (1 - (rr - vv).var(unbiased=False) / rr.var(unbiased=False)).item()
 
 
 # ----------------------------------------------------------------------------- models

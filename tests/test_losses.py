@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import losses as L
+from conftest import direct_ev
 
 
 def rand_batch(B=4, T=7, seed=0):
@@ -538,6 +539,45 @@ def test_explained_variance_by_position_is_ev_on_each_column_slice():
         rr, vv = r[:, lo:hi][sub], v[:, lo:hi][sub]
         want = 1 - ((rr - vv) - (rr - vv).mean()).pow(2).mean() / (rr - rr.mean()).pow(2).mean()
         assert got[f"critic/ev_pos_{label}"].item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_ev_of_summed_halves_statistics_is_the_batch_ev_not_the_mean_of_the_halves_evs():
+    """Two halves of a batch (two ranks, or two micro-batches): the sum of their ev_stats gives the EV of the whole
+    batch, overall and per position bucket. The halves' returns sit 3 apart, so the batch's Var(R) holds that gap and
+    its EV (about 0.8) is far above each half's (about 0.4), which a mean of the halves' EVs reports."""
+    g = torch.Generator().manual_seed(5)
+    B, T = 16, 10
+    mask = torch.arange(T)[None] < torch.randint(6, T + 1, (B,), generator=g)[:, None]
+    r = torch.randn(B, T, generator=g) + 3.0 * (torch.arange(B) >= B // 2)[:, None]
+    v = r + 0.8 * torch.randn(B, T, generator=g)
+    halves = [slice(0, B // 2), slice(B // 2, B)]
+
+    summed = sum(L.ev_stats(v[h], r[h], mask[h]) for h in halves)
+    whole = direct_ev(v, r, mask)
+    assert L.ev_from_stats(summed).item() == pytest.approx(whole, abs=1e-6)
+    assert L.explained_variance(v, r, mask).item() == pytest.approx(whole, abs=1e-6)
+    mean_of_halves = sum(direct_ev(v[h], r[h], mask[h]) for h in halves) / 2
+    assert whole - mean_of_halves > 0.2, (whole, mean_of_halves)
+
+    by_pos = [L.ev_stats_by_position(v[h], r[h], mask[h], width=T) for h in halves]
+    assert list(by_pos[0]) == [f"critic/ev_pos_{k}" for k in ("0", "1", "2", "3", "4-7", "8-15")]
+    for label, lo, hi in L.position_buckets(T):
+        key = f"critic/ev_pos_{label}"
+        cols = (torch.arange(T) >= lo) & (torch.arange(T) < hi)
+        want = direct_ev(v, r, mask & cols)
+        assert L.ev_from_stats(by_pos[0][key] + by_pos[1][key]).item() == pytest.approx(want, abs=1e-6), key
+        assert want - sum(direct_ev(v[h], r[h], mask[h] & cols) for h in halves) / 2 > 0.1, key
+
+
+def test_ev_from_stats_is_nan_for_constant_returns_or_no_token():
+    mask = torch.ones(1, 1000, dtype=torch.bool)
+    v = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0))
+    # Over 1000 tokens of 0.1, 3.3 or 123.4, E[R^2] - E[R]^2 of the float64 sums is round-off above 0 (1e-16 of E[R^2])
+    for c in (0.0, 1.0, 0.1, 3.3, 123.4):
+        assert math.isnan(L.explained_variance(v, torch.full_like(v, c), mask).item()), c
+    assert math.isnan(L.explained_variance(v, v, torch.zeros_like(mask)).item())
+    assert math.isnan(L.ev_from_stats(torch.zeros(5, dtype=torch.float64)).item())
+    assert L.ev_from_stats(torch.zeros(3, 5)).isnan().all()  # [..., 5] -> [...]
 
 
 def test_rank_without_valid_tokens_adds_nothing_to_the_global_denominator():
