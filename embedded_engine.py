@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import losses
+import logprobs
 from decoder import (
     INT4_GROUP_SIZE,
     LAYER_SLOTS,
@@ -439,7 +439,7 @@ class EmbeddedEngine:
         alive = torch.zeros(B, N, dtype=torch.bool, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         for t in range(N):
-            x = losses.process_logits(logits, s.temperature, top_k=s.top_k, top_p=s.top_p)  # [B, V] fp32
+            x = logprobs.process_logits(logits, s.temperature, top_k=s.top_k, top_p=s.top_p)  # [B, V] fp32
             lse = torch.logsumexp(x, dim=-1, keepdim=True)
             # Inverse-CDF draw: one uniform per row (torch.multinomial draws V exponentials per row).
             # searchsorted(right=True) returns the first token whose cumulative mass exceeds u, so a token
@@ -448,7 +448,7 @@ class EmbeddedEngine:
             total = cdf[:, -1:]
             u = torch.minimum(uniforms[:, t : t + 1] * total, total.nextafter(torch.zeros_like(total)))
             tok = torch.searchsorted(cdf, u, right=True)  # [B, 1]
-            # losses.token_logprobs' formula, so engine and trainer share one definition.
+            # logprobs.token_logprobs' formula, so engine and trainer share one definition.
             logp[:, t] = (x.gather(-1, tok) - lse)[:, 0]
             tokens[:, t] = tok[:, 0]
             alive[:, t] = ~done  # the stop token itself is part of the response

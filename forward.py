@@ -5,7 +5,7 @@
     values = response_values(critic, tb, rows, bf16=False)                         # [b, T], V before each response token
 
 The policy's log-probs never materialise [b, L, V] logits: the LM head is swapped for a stand-in inside the model's own
-forward (where FSDP gathers the weights) that keeps only the response columns and runs losses.head_logprobs on them.
+forward (where FSDP gathers the weights) that keeps only the response columns and runs logprobs.head_logprobs on them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-import losses
+import logprobs
 import moe
 from rollout import TrainBatch
 from value_model import critic_values
@@ -69,12 +69,12 @@ def sequences(b: TrainBatch, rows):
 def response_logprobs(model, b: TrainBatch, rows, tokens: torch.Tensor, fwd: Forward, entropy: bool = False):
     """(log-probs [b, T], entropy [b, T] or None) of the response tokens of rows. The forward keeps only the columns that
     predict response tokens (TrainBatch.keep, logits_to_keep), and the LM head runs on them chunk by chunk
-    (losses.head_logprobs): no [b, L, V] or [b, T, V] logits exist. Under --train-dtype bf16 the forward runs in bf16
+    (logprobs.head_logprobs): no [b, L, V] or [b, T, V] logits exist. Under --train-dtype bf16 the forward runs in bf16
     autocast over fp32 weights. --routing-replay: an MoE forward uses the engine's experts (TrainBatch.routing)."""
     out = {}
 
-    def logprobs(h):  # [sequences, len(keep), H] -> one row per response
-        out["logp"], out["entropy"] = losses.head_logprobs(
+    def response_head(h):  # [sequences, len(keep), H] -> one row per response
+        out["logp"], out["entropy"] = logprobs.head_logprobs(
             head,
             h.reshape(len(rows), tokens.size(1), h.size(-1)),
             tokens[rows],
@@ -87,7 +87,7 @@ def response_logprobs(model, b: TrainBatch, rows, tokens: torch.Tensor, fwd: For
 
     replay = moe.batch_routes(b, rows) if fwd.routing_replay else None
     with (
-        head_replaced(model, logprobs) as head,
+        head_replaced(model, response_head) as head,
         moe.routing(model, replay),
         torch.autocast(b.input_ids.device.type, torch.bfloat16, enabled=fwd.bf16),
     ):

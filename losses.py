@@ -18,21 +18,11 @@ Each function's docstring states its formula, shapes, denominator and source.
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
 from torch import Tensor
 
 # exp() of a log-ratio beyond +-20 (a factor of 5e8) is never a useful ratio; clamping keeps exp finite
 # so a single wild token cannot turn the loss into inf/NaN. The IcePop band lies far inside it.
 LOG_RATIO_CLAMP = 20.0
-# Log-prob reported for a token that top-k / top-p excluded from the distribution (-inf would poison
-# ratios and gradients; -1e4 has probability 0 in fp32 yet subtracts cleanly).
-EXCLUDED_LOGP = -1e4
-# Rows of [N, V] logits handled at once by token_logprobs / entropy_from_logits: bounds the float32
-# temporaries of log-softmax to CHUNK_ROWS x V instead of B x T x V.
-CHUNK_ROWS = 1024
-# Logits computed at once by head_logprobs (positions x vocabulary): 2**25 float32 = 128 MiB, 220 positions of Qwen's
-# 151,936-token vocabulary, so a step's logits memory stays flat in both prompt and response length.
-HEAD_CHUNK_ELEMENTS = 2**25
 # A per-token KL estimate is capped at +-10, as verl (kl_penalty) and OpenRLHF (compute_approx_kl) do: with the
 # log-ratio alone clamped at +-20, one token could put exp(20) ~ 4.85e8 into the k3 loss, and a gradient as large.
 KL_ESTIMATE_CAP = 10.0
@@ -52,124 +42,6 @@ def _check(mask: Tensor, **tensors: Tensor) -> None:
 def _mean0(x: Tensor, mask: Tensor) -> Tensor:
     """Masked mean as a detached metric; 0 (not NaN) when nothing is masked in."""
     return (x * mask).sum().detach() / mask.sum().clamp_min(1)
-
-
-# ----------------------------------------------------------------------------- log-probs, entropy
-
-
-def process_logits(logits: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """The sampling distribution's logits: float32, temperature-scaled, then top-k, then top-p.
-
-    Excluded entries are -inf. top_k = 0 and top_p = 1.0 mean off; top_k = 1 is greedy (argmax, ties to
-    the lowest token id). Top-p keeps the smallest set of
-    tokens whose cumulative probability (after temperature and top-k) reaches top_p, always including
-    the most likely token. The rollout engine samples from softmax of exactly this, and the trainer
-    recomputes log-probs through it, so engine and trainer share one definition.
-
-    logits: [..., V] any float dtype. Returns [..., V] float32 (a new tensor unless it is already
-    float32 with temperature 1 and no truncation)."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    x = logits.float()
-    if temperature != 1.0:
-        x = x / temperature
-    if top_k == 1:
-        # Greedy: exactly one token, the argmax with ties broken towards the lowest token id (torch.argmax
-        # returns the first maximum). The kth-value rule below would keep every token tied with the max,
-        # and bf16 or int4 logits tie often, so greedy evaluation would depend on the sampling seed.
-        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, x.argmax(-1, keepdim=True), True)
-        x = x.masked_fill(~keep, float("-inf"))
-    elif top_k > 0 and top_k < x.size(-1):
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = sorted_x.softmax(-1)
-        # Drop a token when the mass strictly before it already reaches top_p (keeps the top token).
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return x
-
-
-def token_logprobs(
-    logits: Tensor, tokens: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0
-) -> Tensor:
-    """Log-prob of each token under softmax(process_logits(logits, temperature, top_k, top_p)).
-
-    logits: [B, T, V] (any float dtype), aligned so logits[:, t] predicts tokens[:, t].
-    tokens: [B, T] long. Returns [B, T] float32, differentiable w.r.t. logits.
-    Works on CHUNK_ROWS rows at a time, so at most one [B, T, V] float32 copy is held (the one autograd
-    keeps for backward; none for float32 logits at temperature 1). Tokens that top-k / top-p excluded
-    get EXCLUDED_LOGP with zero gradient.
-    """
-    assert logits.dim() == 3 and tokens.shape == logits.shape[:2], (
-        f"logits {tuple(logits.shape)} vs tokens {tuple(tokens.shape)}"
-    )
-    flat_logits, flat_tokens = logits.reshape(-1, logits.size(-1)), tokens.reshape(-1, 1)
-    out = []
-    for start in range(0, flat_logits.size(0), CHUNK_ROWS):
-        x = process_logits(flat_logits[start : start + CHUNK_ROWS], temperature, top_k=top_k, top_p=top_p)
-        picked = x.gather(-1, flat_tokens[start : start + CHUNK_ROWS]).squeeze(-1)
-        out.append((picked - torch.logsumexp(x, dim=-1)).clamp_min(EXCLUDED_LOGP))
-    return torch.cat(out).view(tokens.shape) if out else flat_logits.new_zeros(tokens.shape, dtype=torch.float32)
-
-
-def head_logprobs(
-    head,
-    hidden: Tensor,
-    tokens: Tensor,
-    temperature: float = 1.0,
-    *,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    entropy: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """token_logprobs(head(hidden), tokens) without a [B, T, V] logits tensor: the LM head runs on HEAD_CHUNK_ELEMENTS // V
-    positions at a time and each chunk's logits are freed at once; under autograd a chunk is checkpointed, so its backward
-    recomputes head(chunk) instead of keeping every chunk's logits. Peak extra memory is a few copies of one chunk's
-    logits, whatever B and T.
-
-    head: the LM head (an nn.Linear [N, H] -> [N, V], possibly tensor-parallel); hidden: [B, T, H] hidden states aligned
-    so hidden[:, t] predicts tokens[:, t] (long [B, T]). Returns (log-probs [B, T] float32, differentiable w.r.t. hidden and the head's weights;
-    entropy [B, T] float32 of softmax(logits / temperature), detached, or None unless ``entropy``).
-    """
-    assert hidden.dim() == 3 and tokens.shape == hidden.shape[:2], (
-        f"hidden {tuple(hidden.shape)} vs tokens {tuple(tokens.shape)}"
-    )
-    flat_h, flat_t = hidden.reshape(-1, hidden.size(-1)), tokens.reshape(-1, 1)
-
-    def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        logits = head(h)[None]
-        lp = token_logprobs(logits, t.view(1, -1), temperature, top_k=top_k, top_p=top_p)[0]
-        return lp, entropy_from_logits(logits.detach(), temperature)[0] if entropy else None
-
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-    logp, ent, step = (
-        [],
-        [],
-        max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0]),
-    )  # a DTensor weight reports its global shape
-    for start in range(0, flat_h.size(0), step):
-        h, t = flat_h[start : start + step], flat_t[start : start + step]
-        lp, e = torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t)
-        logp.append(lp)
-        if entropy:
-            ent.append(e.detach())
-    if not logp:
-        empty = hidden.new_zeros(tokens.shape, dtype=torch.float32)
-        return empty, empty if entropy else None
-    return torch.cat(logp).view(tokens.shape), torch.cat(ent).view(tokens.shape) if entropy else None
-
-
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / temperature) per position: [B, T, V] -> [B, T] float32 (chunked)."""
-    flat = logits.reshape(-1, logits.size(-1))
-    out = []
-    for start in range(0, flat.size(0), CHUNK_ROWS):
-        logp = torch.log_softmax(process_logits(flat[start : start + CHUNK_ROWS], temperature), dim=-1)
-        out.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(out).view(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- masked statistics
@@ -622,17 +494,49 @@ def value_loss(
     return loss, {"critic/value_loss": metric, "critic/clipfrac": clipfrac, "critic/value_mean": _mean0(v, mask)}
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
-    """1 - Var(R - V) / Var(R) over valid tokens (0-d, detached). NaN when the returns are constant."""
+def ev_stats(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """The sufficient statistics of the explained variance over the valid tokens: [5] float64, detached,
+
+        (n, sum R, sum R^2, sum e, sum e^2)      e = R - V, sums over the n tokens of mask
+
+    values, returns: [B, T]; mask: bool [B, T]. Summed over micro-batches and ranks (runlog.Metrics.add_ev) they are
+    those of all the tokens, and ev_from_stats of the sum is the EV of the whole batch, as verl and NeMo-RL compute it,
+    not a mean of per-rank EVs. float64: the variances are differences of these sums, which cancel.
+    """
     _check(mask, values=values, returns=returns)
     with torch.no_grad():
-        r, v = returns.float(), values.float()
+        r = returns.double()
+        e = r - values.double()
+        return torch.stack(
+            [mask.sum().double(), (r * mask).sum(), (r * r * mask).sum(), (e * mask).sum(), (e * e * mask).sum()]
+        )
 
-        def var(x: Tensor) -> Tensor:
-            return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
 
-        var_r = var(r)
-        return torch.where(var_r > 0, 1 - var(r - v) / var_r, torch.full_like(var_r, float("nan")))
+# With all returns equal, Var(R) = E[R^2] - E[R]^2 of float64 sums is round-off (about log2(n) x 1e-16 of E[R^2]),
+# not 0, and 1 - Var(e) / Var(R) a huge number made of it. Below 1e-12 of E[R^2] (a spread under 1e-6 of the returns'
+# size, a few float32 ulps) the returns count as equal.
+EV_CONSTANT_RTOL = 1e-12
+
+
+def ev_from_stats(stats: Tensor) -> Tensor:
+    """EV = 1 - Var(R - V) / Var(R) from ev_stats' statistics (summed over any number of batches): [..., 5] -> [...]
+    float32. Var = E[x^2] - E[x]^2, the mean of squared deviations (divides by the count n).
+
+    NaN where Var(R) = 0 (all returns equal, up to EV_CONSTANT_RTOL) or where there is no token (n = 0).
+    """
+    n, sum_r, sum_r2, sum_e, sum_e2 = stats.double().unbind(-1)
+    n = n.clamp_min(1)  # no token: every sum is 0, so Var(R) = 0 and the result NaN, without a 0 / 0 on the way
+    var_r = sum_r2 / n - (sum_r / n) ** 2
+    var_e = sum_e2 / n - (sum_e / n) ** 2
+    constant = var_r <= EV_CONSTANT_RTOL * sum_r2 / n
+    return torch.where(constant, torch.full_like(var_r, float("nan")), 1 - var_e / var_r).float()
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(R - V) / Var(R) over the valid tokens of this batch alone (0-d float32, detached): ev_from_stats of
+    ev_stats. NaN when the returns are constant or no token is valid. Over several micro-batches or ranks, sum the
+    ev_stats instead (runlog.Metrics.add_ev)."""
+    return ev_from_stats(ev_stats(values, returns, mask))
 
 
 def position_buckets(T: int) -> list[tuple[str, int, int]]:
@@ -647,10 +551,8 @@ def position_buckets(T: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def explained_variance_by_position(
-    values: Tensor, returns: Tensor, mask: Tensor, width: int | None = None
-) -> dict[str, Tensor]:
-    """explained_variance restricted to each bucket of position_buckets(width or T): {"critic/ev_pos_<label>": 0-d}.
+def ev_stats_by_position(values: Tensor, returns: Tensor, mask: Tensor, width: int | None = None) -> dict[str, Tensor]:
+    """ev_stats restricted to each bucket of position_buckets(width or T): {"critic/ev_pos_<label>": [5] float64}.
     Give width (the response budget) when ranks hold batches of different T, so they all return the same keys.
 
     Early positions are the hard ones (the value must predict the whole outcome); the last position before
@@ -659,6 +561,14 @@ def explained_variance_by_position(
     _check(mask, values=values, returns=returns)
     cols = torch.arange(mask.size(1), device=mask.device)
     return {
-        f"critic/ev_pos_{label}": explained_variance(values, returns, mask & (cols >= lo) & (cols < hi))
+        f"critic/ev_pos_{label}": ev_stats(values, returns, mask & (cols >= lo) & (cols < hi))
         for label, lo, hi in position_buckets(max(width or 0, mask.size(1)))
     }
+
+
+def explained_variance_by_position(
+    values: Tensor, returns: Tensor, mask: Tensor, width: int | None = None
+) -> dict[str, Tensor]:
+    """explained_variance of this batch alone in each bucket of position_buckets(width or T):
+    {"critic/ev_pos_<label>": 0-d float32} (ev_from_stats of ev_stats_by_position)."""
+    return {k: ev_from_stats(st) for k, st in ev_stats_by_position(values, returns, mask, width).items()}

@@ -31,7 +31,7 @@ from parallel import full_weights
 
 @dataclass
 class Sampling:
-    """How to sample. The engine samples from softmax(losses.process_logits(logits, temperature, top_k, top_p))."""
+    """How to sample. The engine samples from softmax(logprobs.process_logits(logits, temperature, top_k, top_p))."""
 
     temperature: float = 1.0
     """Softmax temperature, > 0."""

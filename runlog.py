@@ -35,12 +35,17 @@ class Metrics:
     ranks (TP peers hold equal values), or the max / min for keys ending in _max / _min.
     add_ratio(key, total, count): a ratio of sums; reduce() gives sum(total) / sum(count) over every call and rank
     (NaN where the count is 0), so it weighs each token or sample alike however they fall into calls and ranks.
-    A rank may add ratio keys the others lack (a reward's extra keys): the key sets are merged first.
+    add_ev({key: stats}): an explained variance, from the [5] sufficient statistics of losses.ev_stats; reduce()
+    sums them over every call and rank, then gives losses.ev_from_stats of the sums: the EV of all the tokens at once,
+    not a mean of per-call or per-rank EVs (NaN where the returns are constant or there is no token). TP peers add the
+    same statistics, which scales every sum alike and leaves the EV as it is (the same holds for the ratios).
+    A rank may add ratio or EV keys the others lack (a reward's extra keys): the key sets are merged first.
     """
 
     def __init__(self):
         self.values: dict[str, list[torch.Tensor]] = {}
         self.ratios: dict[str, list[float]] = {}
+        self.evs: dict[str, torch.Tensor] = {}
 
     def add(self, new: dict) -> None:
         for k, v in new.items():
@@ -51,6 +56,11 @@ class Metrics:
         acc[0] += float(total)
         acc[1] += float(count)
 
+    def add_ev(self, stats: dict) -> None:
+        for k, st in stats.items():
+            st = torch.as_tensor(st).detach().double().cpu().reshape(5)
+            self.evs[k] = self.evs[k] + st if k in self.evs else st
+
     def reduce(self) -> dict[str, float]:
         """Collective: every rank calls it, with the same add() keys."""
         keys = sorted(self.values)
@@ -60,6 +70,7 @@ class Metrics:
 
         vals = torch.stack([pick(k, torch.stack(self.values[k])) for k in keys]) if keys else torch.zeros(0)
         ratio_keys = sorted(self.ratios)
+        ev_keys = sorted(self.evs)
         if dist.is_initialized():
             mx, mn = vals.clone(), vals.clone()
             for t, op in ((vals, dist.ReduceOp.SUM), (mx, dist.ReduceOp.MAX), (mn, dist.ReduceOp.MIN)):
@@ -68,14 +79,25 @@ class Metrics:
             vals = torch.where(torch.tensor([k.endswith("_max") for k in keys], dtype=torch.bool), mx, vals)
             vals = torch.where(torch.tensor([k.endswith("_min") for k in keys], dtype=torch.bool), mn, vals)
             parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, ratio_keys)
-            ratio_keys = sorted({k for p in parts for k in p})
+            dist.all_gather_object(parts, (ratio_keys, ev_keys))
+            ratio_keys = sorted({k for p in parts for k in p[0]})
+            ev_keys = sorted({k for p in parts for k in p[1]})
         sums = torch.tensor([self.ratios.get(k, [0.0, 0.0]) for k in ratio_keys], dtype=torch.float64).reshape(-1, 2)
         if dist.is_initialized():
             dist.all_reduce(sums)
         # A ratio is a float32 figure like every other metric (its sums are float64: counts of many tokens).
         ratios = [float(torch.tensor(t / c if c else float("nan"), dtype=torch.float32)) for t, c in sums.tolist()]
-        return {**dict(zip(keys, vals.tolist())), **dict(zip(ratio_keys, ratios))}
+        # Summed before the division: the EV of the global batch (a rank without a key adds zeros, no token).
+        no_token = torch.zeros(5, dtype=torch.float64)
+        stats = (
+            torch.stack([self.evs.get(k, no_token) for k in ev_keys])
+            if ev_keys
+            else torch.zeros(0, 5, dtype=torch.float64)
+        )
+        if dist.is_initialized() and ev_keys:
+            dist.all_reduce(stats)
+        evs = losses.ev_from_stats(stats).tolist()
+        return {**dict(zip(keys, vals.tolist())), **dict(zip(ratio_keys, ratios)), **dict(zip(ev_keys, evs))}
 
 
 @contextlib.contextmanager

@@ -25,9 +25,9 @@ Which log-prob SGLang returns (sglang 0.5.23, sglang/srt/layers/sampler.py):
 So this class returns the default log-prob when neither top-k nor top-p is on (it is then exactly the
 sampled distribution), and the sampling-mask log-prob when one of them is (top-p alone is sent as
 top_k = vocab size, which keeps every token, with sampling_mask_max_tokens = vocab size).
-Both equal losses.token_logprobs(logits, tokens, temperature, top_k=, top_p=) up to float rounding.
+Both equal logprobs.token_logprobs(logits, tokens, temperature, top_k=, top_p=) up to float rounding.
 top-k and top-p together are refused: SGLang's nucleus cut uses the cumulative mass of the
-unfiltered probabilities (line 827), losses.process_logits the mass renormalised after top-k, so the
+unfiltered probabilities (line 827), logprobs.process_logits the mass renormalised after top-k, so the
 kept sets differ. Ties: SGLang keeps exactly k tokens by sort order, losses every token tied with the
 k-th (only matters for exactly equal logits).
 
@@ -221,7 +221,7 @@ class SGLangEngine:
         return Rollout.from_ragged(toks, rows, reasons, infer_logp=logps)
 
     def _top_k(self, sampling: Sampling) -> int:
-        """Sampling.top_k, with 0 for a top_k that keeps the whole vocabulary (as losses.process_logits does)."""
+        """Sampling.top_k, with 0 for a top_k that keeps the whole vocabulary (as logprobs.process_logits does)."""
         return sampling.top_k if sampling.top_k < self.vocab_size else 0
 
     def _check_request(self, prompt_ids, sampling: Sampling) -> None:
@@ -229,7 +229,7 @@ class SGLangEngine:
         if self._top_k(sampling) > 0 and sampling.top_p < 1.0:
             raise NotImplementedError(
                 "SGLangEngine: top_k and top_p together are refused: SGLang cuts the nucleus on the cumulative "
-                "mass before top-k renormalisation (sglang/srt/layers/sampler.py:827), losses.process_logits after "
+                "mass before top-k renormalisation (sglang/srt/layers/sampler.py:827), logprobs.process_logits after "
                 "it, so engine and trainer would keep different tokens. Use one of them."
             )
         if sampling.temperature < SGLANG_GREEDY_TEMPERATURE:

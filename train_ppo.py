@@ -427,7 +427,7 @@ def advantages(
         return adv[:, None] * mask, None
     if cfg.algo == "vine":  # VinePPO: Monte Carlo values at the states, no critic
         adv = losses.vine_advantages(mc.values.to(mask.device), mc.states.to(mask.device), rewards, mask)
-        m.add(vine.metrics(mc, batch.token_rewards, mask, batch.width))
+        m.add_ev(vine.ev_stats(mc, batch.token_rewards, mask, batch.width))
     elif cfg.algo == "reinforce":
         adv = reinforce_advantages(run, models.baseline, gen, batch, index, m)[:, None] * mask
     else:
@@ -512,10 +512,10 @@ def update_critic(
             norm, ok, weights_ok = optimizer_step(models.critic, models.opts["critic"], cfg.max_grad_norm, run.dp_group)
             guard(run, progress, ok, weights_ok, "critic", where, norm)
             m.add({"critic/grad_norm": norm, "train/skipped_critic_update": float(not ok)})
-    m.add(
+    m.add_ev(
         {
-            "critic/explained_variance": losses.explained_variance(old.values, returns, mask),
-            **losses.explained_variance_by_position(old.values, returns, mask, batch.width),
+            "critic/explained_variance": losses.ev_stats(old.values, returns, mask),
+            **losses.ev_stats_by_position(old.values, returns, mask, batch.width),
         }
     )
 

@@ -135,13 +135,15 @@ def token_values(v: Values, mask: Tensor) -> tuple[Tensor, Tensor]:
     return v.values.to(mask.device).gather(-1, cur.clamp_min(0)), mask & (cur >= 0)
 
 
-def metrics(v: Values, rewards: Tensor, mask: Tensor, width: int) -> dict[str, Tensor]:
-    """vine/explained_variance and vine/ev_pos_*: the explained variance of the Monte Carlo values (token_values)
-    against the returns to go (gamma = 1) over `mask`'s tokens, the figures a critic logs as critic/*."""
+def ev_stats(v: Values, rewards: Tensor, mask: Tensor, width: int) -> dict[str, Tensor]:
+    """vine/explained_variance and vine/ev_pos_*, as the [5] sufficient statistics of losses.ev_stats (for
+    Metrics.add_ev, which sums them over ranks into the EV of the whole batch): the explained variance of the Monte
+    Carlo values (token_values) against the returns to go (gamma = 1) over `mask`'s tokens, the figures a critic logs
+    as critic/*."""
     values, has = token_values(v, mask)
     returns = (rewards.float() * mask).flip(-1).cumsum(-1).flip(-1)
-    by_pos = losses.explained_variance_by_position(values, returns, has, width)
+    by_pos = losses.ev_stats_by_position(values, returns, has, width)
     return {
-        "vine/explained_variance": losses.explained_variance(values, returns, has),
+        "vine/explained_variance": losses.ev_stats(values, returns, has),
         **{k.replace("critic/", "vine/"): x for k, x in by_pos.items()},
     }

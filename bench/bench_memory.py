@@ -30,7 +30,7 @@ def one(path: str, P: int, T: int, rows: int, vocab: int) -> tuple[float, float]
     """(GiB of the step's peak above the memory held before it, seconds of the step)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    import losses as L
+    import logprobs
     from rollout import TrainBatch
     from forward import Forward, response_logprobs
 
@@ -68,7 +68,7 @@ def one(path: str, P: int, T: int, rows: int, vocab: int) -> tuple[float, float]
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits[
             :, P - 1 : -1
         ]
-        logp = L.token_logprobs(logits, tokens)
+        logp = logprobs.token_logprobs(logits, tokens)
     else:
         logp = response_logprobs(model, b, all_rows, tokens, Forward())[0]
     (-logp.mean()).backward()

@@ -8,7 +8,7 @@
 For each model folder and knob (engine dtype + KV-cache dtype) the engine samples one response per prompt
 (train prompts of the task, chat formatted, temperature 1 and the <|im_end|> stop, as train_ppo.py samples),
 and the HF model in fp32 recomputes the log-probs of the same tokens as train_ppo.py does
-(Rollout.to_batch, losses.token_logprobs). Per response token, with k = pi_train / pi_infer of the token:
+(Rollout.to_batch, logprobs.token_logprobs). Per response token, with k = pi_train / pi_infer of the token:
 
     k3         mean of k - 1 - log k (losses.mismatch_metrics): an estimate of KL(pi_infer || pi_train)
     KL         the exact KL(pi_infer || pi_train) of the full next-token distributions at the same
@@ -38,6 +38,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # run from anywhere
+import logprobs  # noqa: E402
 import losses  # noqa: E402
 import moe  # noqa: E402
 from data.tasks import encode_prompt, get_task  # noqa: E402
@@ -90,7 +91,7 @@ def measure(
     engine = EmbeddedEngine(model, dtype=dtype, kv_cache_dtype=kv, moe_flip=flip)
     ro = engine.generate(prompts, sampling)
     train, own = train_logits(model, ro, pad_id)
-    train_logp = losses.token_logprobs(train, ro.tokens)
+    train_logp = logprobs.token_logprobs(train, ro.tokens)
     m = losses.mismatch_metrics(train_logp, ro.infer_logp, ro.mask)
     if own is not None:  # MoE: the engine's experts at the same columns, over the sampled tokens
         P = ro.routing.size(1) - ro.tokens.size(1)

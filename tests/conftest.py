@@ -1,5 +1,6 @@
 """What the test files share: paths, the subprocess environment, a small run config, runners for the CLI and torchrun,
-the metrics reader, the trainer's log-prob recompute, the tiny default model, and the hooks that make the markers act.
+the metrics reader, a plain explained variance, the trainer's log-prob recompute, the tiny default model, and the hooks
+that make the markers act.
 
 Markers (pytest.ini, --strict-markers):
     e2e       a training run (train_ppo.main, a default model's warm-up), a subprocess job (train_ppo.py, bench/
@@ -138,19 +139,26 @@ def read_metrics(out_dir, volatile: bool = True) -> list[dict]:
     return rows if volatile else [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
+def direct_ev(v: torch.Tensor, r: torch.Tensor, mask: torch.Tensor) -> float:
+    """The explained variance the plain way, on the valid tokens pulled out: 1 - Var(R - V) / Var(R), population
+    variances, in the tensors' dtype (NaN without a token): what losses.ev_from_stats must give."""
+    rr, vv = r[mask], v[mask]
+    return (1 - (rr - vv).var(unbiased=False) / rr.var(unbiased=False)).item()
+
+
 # ----------------------------------------------------------------------------- models
 
 
 def trainer_logp(model, ro, s=None, pad_id: int = 0) -> torch.Tensor:
     """The trainer's recompute of ro's log-probs [B, T] float32 (rollout.py's alignment): one forward over prompt +
     response, the logits before each response token, processed like sampling s (temperature, top-k, top-p)."""
-    import losses
+    import logprobs
 
     b = ro.to_batch(pad_id=pad_id)
     with torch.no_grad():
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
     kw = {} if s is None else dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-    return losses.token_logprobs(logits[:, b.response_start - 1 : -1], ro.tokens, **kw)
+    return logprobs.token_logprobs(logits[:, b.response_start - 1 : -1], ro.tokens, **kw)
 
 
 @pytest.fixture(scope="session")

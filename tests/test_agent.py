@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import agent
+import logprobs
 import losses as L
 from conftest import read_metrics, torchrun, train_cli
 from data.guess import GuessEnv, interval
@@ -84,7 +85,7 @@ def test_to_batch_attends_observations_and_recompute_equals_engine(tiny_policy):
     def recompute(attention_mask):
         pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)
         logits = model(input_ids=b.input_ids, attention_mask=attention_mask, position_ids=pos).logits[:, P - 1 : -1]
-        return L.token_logprobs(logits, ro.tokens, 1.0)
+        return logprobs.token_logprobs(logits, ro.tokens, 1.0)
 
     with torch.no_grad():
         good = recompute(b.attention_mask)

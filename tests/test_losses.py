@@ -9,7 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import logprobs
 import losses as L
+from conftest import direct_ev
 
 
 def rand_batch(B=4, T=7, seed=0):
@@ -38,7 +40,7 @@ def slow_logprob(logits_row, token, temperature, top_k, top_p):
         nucleus.add(i)
         cum += math.exp(x[i] - mx) / z
     if token not in nucleus:
-        return L.EXCLUDED_LOGP
+        return logprobs.EXCLUDED_LOGP
     zn = sum(math.exp(x[i] - mx) for i in nucleus)
     return x[token] - mx - math.log(zn)
 
@@ -50,7 +52,7 @@ def test_token_logprobs_matches_slow(temperature, top_k, top_p):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 5, 11, generator=g) * 2
     tokens = torch.randint(0, 11, (2, 5), generator=g)
-    got = L.token_logprobs(logits, tokens, temperature, top_k=top_k, top_p=top_p)
+    got = logprobs.token_logprobs(logits, tokens, temperature, top_k=top_k, top_p=top_p)
     want = torch.tensor(
         [
             [slow_logprob(logits[b, t], tokens[b, t].item(), temperature, top_k, top_p) for t in range(5)]
@@ -58,16 +60,18 @@ def test_token_logprobs_matches_slow(temperature, top_k, top_p):
         ]
     )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert (got == L.EXCLUDED_LOGP).any() == (top_k > 0 or top_p < 1)  # truncation really excluded a sampled token
+    assert (got == logprobs.EXCLUDED_LOGP).any() == (
+        top_k > 0 or top_p < 1
+    )  # truncation really excluded a sampled token
 
 
 def test_token_logprobs_chunked_equals_unchunked_and_bf16(monkeypatch):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 9, 17, generator=g).bfloat16()
     tokens = torch.randint(0, 17, (3, 9), generator=g)
-    full = L.token_logprobs(logits, tokens, 0.9)
-    monkeypatch.setattr(L, "CHUNK_ROWS", 4)
-    chunked = L.token_logprobs(logits, tokens, 0.9)
+    full = logprobs.token_logprobs(logits, tokens, 0.9)
+    monkeypatch.setattr(logprobs, "CHUNK_ROWS", 4)
+    chunked = logprobs.token_logprobs(logits, tokens, 0.9)
     assert chunked.dtype == torch.float32
     torch.testing.assert_close(chunked, full, atol=0, rtol=0)
     want = torch.log_softmax(logits.float() / 0.9, -1).gather(-1, tokens[..., None]).squeeze(-1)
@@ -77,7 +81,9 @@ def test_token_logprobs_chunked_equals_unchunked_and_bf16(monkeypatch):
 @pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}])
 def test_head_logprobs_equals_full_logits_values_and_gradients(monkeypatch, kw):
     # The checkpointed, chunked LM head against the plain path: head over every position, then token_logprobs.
-    monkeypatch.setattr(L, "HEAD_CHUNK_ELEMENTS", 4 * 23)  # 15 positions: 4 chunks of 4 x 23 logits, the last one short
+    monkeypatch.setattr(
+        logprobs, "HEAD_CHUNK_ELEMENTS", 4 * 23
+    )  # 15 positions: 4 chunks of 4 x 23 logits, the last one short
     g = torch.Generator().manual_seed(1)
     torch.manual_seed(0)  # the head's init
     head = torch.nn.Linear(6, 23, bias=False)
@@ -92,22 +98,27 @@ def test_head_logprobs_equals_full_logits_values_and_gradients(monkeypatch, kw):
         head.zero_grad()
         if path == "full":
             logits = head(h)
-            lp, ent = L.token_logprobs(logits, tokens, **kw), L.entropy_from_logits(logits, kw.get("temperature", 1.0))
+            lp, ent = (
+                logprobs.token_logprobs(logits, tokens, **kw),
+                logprobs.entropy_from_logits(logits, kw.get("temperature", 1.0)),
+            )
         else:
-            lp, ent = L.head_logprobs(head, h, tokens, **kw, entropy=True)
+            lp, ent = logprobs.head_logprobs(head, h, tokens, **kw, entropy=True)
         (lp * w).sum().backward()
         grads.append((lp.detach(), ent, h.grad, head.weight.grad.clone()))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert not grads[1][1].requires_grad  # entropy is a metric: detached
     with torch.no_grad():  # the recompute path (no checkpointing) gives the same numbers
-        torch.testing.assert_close(L.head_logprobs(head, hidden, tokens, **kw)[0], grads[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            logprobs.head_logprobs(head, hidden, tokens, **kw)[0], grads[0][0], rtol=1e-5, atol=1e-6
+        )
 
 
 def test_excluded_token_gets_floor_and_zero_grad():
     logits = torch.tensor([[[3.0, 2.0, -1.0, -2.0]]], requires_grad=True)
-    lp = L.token_logprobs(logits, torch.tensor([[3]]), top_k=2)
-    assert lp.item() == L.EXCLUDED_LOGP
+    lp = logprobs.token_logprobs(logits, torch.tensor([[3]]), top_k=2)
+    assert lp.item() == logprobs.EXCLUDED_LOGP
     lp.sum().backward()
     assert torch.all(logits.grad == 0)
 
@@ -115,17 +126,17 @@ def test_excluded_token_gets_floor_and_zero_grad():
 def test_greedy_keeps_one_token_lowest_id_on_ties():
     # Ties with the maximum: top_k=1 keeps only the lowest id among them (a kth-value rule kept all three).
     logits = torch.tensor([[1.0, 3.0, 0.5, 3.0, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]], dtype=torch.bfloat16)
-    x = L.process_logits(logits, 1.0, top_k=1)
+    x = logprobs.process_logits(logits, 1.0, top_k=1)
     assert torch.isfinite(x).sum(-1).tolist() == [1, 1]
     assert x.argmax(-1).tolist() == [1, 0] and torch.isfinite(x[0, 1]) and torch.isfinite(x[1, 0])
-    assert L.token_logprobs(logits[:, None], torch.tensor([[1], [0]]), top_k=1).tolist() == [[0.0], [0.0]]
+    assert logprobs.token_logprobs(logits[:, None], torch.tensor([[1], [0]]), top_k=1).tolist() == [[0.0], [0.0]]
 
 
 def test_entropy_from_logits():
     logits = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(0))
     p = torch.softmax(logits / 0.5, -1)
-    torch.testing.assert_close(L.entropy_from_logits(logits, 0.5), -(p * p.log()).sum(-1))
-    assert torch.allclose(L.entropy_from_logits(torch.zeros(1, 1, 8)), torch.tensor(math.log(8)))
+    torch.testing.assert_close(logprobs.entropy_from_logits(logits, 0.5), -(p * p.log()).sum(-1))
+    assert torch.allclose(logprobs.entropy_from_logits(torch.zeros(1, 1, 8)), torch.tensor(math.log(8)))
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -538,6 +549,45 @@ def test_explained_variance_by_position_is_ev_on_each_column_slice():
         rr, vv = r[:, lo:hi][sub], v[:, lo:hi][sub]
         want = 1 - ((rr - vv) - (rr - vv).mean()).pow(2).mean() / (rr - rr.mean()).pow(2).mean()
         assert got[f"critic/ev_pos_{label}"].item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_ev_of_summed_halves_statistics_is_the_batch_ev_not_the_mean_of_the_halves_evs():
+    """Two halves of a batch (two ranks, or two micro-batches): the sum of their ev_stats gives the EV of the whole
+    batch, overall and per position bucket. The halves' returns sit 3 apart, so the batch's Var(R) holds that gap and
+    its EV (about 0.8) is far above each half's (about 0.4), which a mean of the halves' EVs reports."""
+    g = torch.Generator().manual_seed(5)
+    B, T = 16, 10
+    mask = torch.arange(T)[None] < torch.randint(6, T + 1, (B,), generator=g)[:, None]
+    r = torch.randn(B, T, generator=g) + 3.0 * (torch.arange(B) >= B // 2)[:, None]
+    v = r + 0.8 * torch.randn(B, T, generator=g)
+    halves = [slice(0, B // 2), slice(B // 2, B)]
+
+    summed = sum(L.ev_stats(v[h], r[h], mask[h]) for h in halves)
+    whole = direct_ev(v, r, mask)
+    assert L.ev_from_stats(summed).item() == pytest.approx(whole, abs=1e-6)
+    assert L.explained_variance(v, r, mask).item() == pytest.approx(whole, abs=1e-6)
+    mean_of_halves = sum(direct_ev(v[h], r[h], mask[h]) for h in halves) / 2
+    assert whole - mean_of_halves > 0.2, (whole, mean_of_halves)
+
+    by_pos = [L.ev_stats_by_position(v[h], r[h], mask[h], width=T) for h in halves]
+    assert list(by_pos[0]) == [f"critic/ev_pos_{k}" for k in ("0", "1", "2", "3", "4-7", "8-15")]
+    for label, lo, hi in L.position_buckets(T):
+        key = f"critic/ev_pos_{label}"
+        cols = (torch.arange(T) >= lo) & (torch.arange(T) < hi)
+        want = direct_ev(v, r, mask & cols)
+        assert L.ev_from_stats(by_pos[0][key] + by_pos[1][key]).item() == pytest.approx(want, abs=1e-6), key
+        assert want - sum(direct_ev(v[h], r[h], mask[h] & cols) for h in halves) / 2 > 0.1, key
+
+
+def test_ev_from_stats_is_nan_for_constant_returns_or_no_token():
+    mask = torch.ones(1, 1000, dtype=torch.bool)
+    v = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0))
+    # Over 1000 tokens of 0.1, 3.3 or 123.4, E[R^2] - E[R]^2 of the float64 sums is round-off above 0 (1e-16 of E[R^2])
+    for c in (0.0, 1.0, 0.1, 3.3, 123.4):
+        assert math.isnan(L.explained_variance(v, torch.full_like(v, c), mask).item()), c
+    assert math.isnan(L.explained_variance(v, v, torch.zeros_like(mask)).item())
+    assert math.isnan(L.ev_from_stats(torch.zeros(5, dtype=torch.float64)).item())
+    assert L.ev_from_stats(torch.zeros(3, 5)).isnan().all()  # [..., 5] -> [...]
 
 
 def test_rank_without_valid_tokens_adds_nothing_to_the_global_denominator():

@@ -15,7 +15,8 @@ from data.tiny import tiny_config
 # Max |TP=2 - TP=1| (or |dp=2 - one process|) allowed per check, fp32. Observed on 2 CPU cores
 # (torch 2.13, gloo): logits <= 5e-7, values <= 2e-7, losses <= 6e-8, gradients <= 4e-7, relative grad
 # norm <= 4e-7, clipped gradients <= 3e-9, weights after one AdamW step (lr 1e-3) <= 5e-7, dp gradients
-# <= 1.2e-7. A broken plan (e.g. Qwen3's q_norm left out) gives gradient differences of ~6e-3.
+# <= 1.2e-7, dp explained variance 0 (against 0.33 for the mean of the ranks' EVs). A broken plan (e.g. Qwen3's
+# q_norm left out) gives gradient differences of ~6e-3.
 TOLERANCES = {
     "logits": 5e-6,
     "values": 5e-6,
@@ -41,7 +42,12 @@ TP_CHECKS = [
     )
 ]
 TP_CHECKS += [f"{fam}/policy/engine_sync" for fam in FAMILIES]
-DP_CHECKS = ["dp/llama/policy/grads", "dp/llama/critic/grads", "dp/dtensor_linear/grads"]
+DP_CHECKS = [
+    "dp/llama/policy/grads",
+    "dp/llama/critic/grads",
+    "dp/llama/critic/explained_variance",
+    "dp/dtensor_linear/grads",
+]
 
 
 @pytest.mark.torchrun

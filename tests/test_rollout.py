@@ -1,5 +1,5 @@
 """EmbeddedEngine against independent references: the HF forward pass and the trainer's recompute
-(losses.token_logprobs over hf_model(full sequence).logits). Tiny random models, CPU, seconds."""
+(logprobs.token_logprobs over hf_model(full sequence).logits). Tiny random models, CPU, seconds."""
 
 import copy
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-import losses
+import logprobs
 from conftest import trainer_logp
 from decoder import fake_quant_int4
 from embedded_engine import EmbeddedEngine
@@ -170,7 +170,7 @@ def own_logits_logp(eng, ro: Rollout) -> torch.Tensor:
     for r, p in enumerate(ro.prompt_ids):
         T = int(ro.mask[r].sum())
         logits = eng.logits(torch.tensor([p + ro.tokens[r, :T].tolist()]))[:, len(p) - 1 : -1]
-        out[r, :T] = losses.token_logprobs(logits, ro.tokens[r : r + 1, :T])[0]
+        out[r, :T] = logprobs.token_logprobs(logits, ro.tokens[r : r + 1, :T])[0]
     return out
 
 
@@ -273,7 +273,7 @@ def test_weight_sync_round_trip(model):
     ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(2))
 
     def logp(logits):
-        return losses.token_logprobs(logits[:, :-1], ids[:, 1:])
+        return logprobs.token_logprobs(logits[:, :-1], ids[:, 1:])
 
     with torch.no_grad():
         old_ref, new_ref = logp(model(ids).logits), logp(policy(ids).logits)

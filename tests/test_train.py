@@ -325,7 +325,7 @@ def _tiny_batch():
 def test_response_only_logprobs_equal_full_logits(tiny_policy):
     # The trainer's path (decoder, then the LM head on the response columns only, chunked) against the plain one
     # (every position's logits, sliced): values and gradients, with temperature and top-p.
-    import losses as L
+    import logprobs
     from forward import Forward, response_logprobs
 
     model, (b, tokens, mask) = tiny_policy, _tiny_batch()
@@ -333,7 +333,7 @@ def test_response_only_logprobs_equal_full_logits(tiny_policy):
     fwd, rows_ = Forward(temperature=0.8, top_p=0.9), torch.arange(3)
     w = torch.randn(tokens.shape)
     P = b.response_start
-    full = L.token_logprobs(
+    full = logprobs.token_logprobs(
         model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits[
             :, P - 1 : -1
         ],
@@ -604,6 +604,30 @@ def test_torchrun_step_equals_single_process(tmp_path, mode, single_process):
     assert n_moved > 0.5 * sum(
         w.numel() for w in wa.values()
     )  # most weights took a full step: the check is not vacuous
+
+
+# One critic pretraining step before step 1 (the flag after STEP_ARGS' --critic-pretrain 0 wins): the fresh head's
+# constant values have EV 0 on any split, only a trained critic's tell the batch EV from the mean of the ranks' EVs.
+EV_ARGS = ["--critic-pretrain", "1", "--eval-size", "8"]
+
+
+@pytest.mark.torchrun
+def test_torchrun_explained_variance_is_the_batch_ev(tmp_path, single_process):
+    """dp=2: step 1's critic/explained_variance and critic/ev_pos_* equal the single process's, the EV of the whole
+    batch (Metrics.add_ev sums the ranks' statistics before the division), not the mean of the two ranks' EVs.
+
+    The values come from the critic after its pretraining AdamW step, which summation-order rounding moves apart
+    (see the weights above): observed, the EVs differ by up to 2.2e-5, while the mean of the ranks' EVs was 2.5e-4
+    (overall) to 2.1e-3 (position 0) off. tests/tp_worker.py (check_dp_ev) holds the reduction itself to 1e-6."""
+    a = rows(single_process(EV_ARGS))[-1]
+    rc, out = _torchrun("dp2", [*STEP_ARGS, *EV_ARGS, "--out-dir", str(tmp_path / "par")])
+    assert rc == 0, out
+    b = rows(tmp_path / "par")[-1]
+    evs = [k for k in a if k == "critic/explained_variance" or k.startswith("critic/ev_pos_")]
+    assert a["step"] == b["step"] == 1 and len(evs) > 1 and all(k in b for k in evs)
+    assert abs(a["critic/explained_variance"]) > 1e-3  # not the fresh head's EV 0
+    for k in evs:
+        assert b[k] == pytest.approx(a[k], abs=1e-4, nan_ok=True), (k, a[k], b[k])
 
 
 @pytest.mark.e2e

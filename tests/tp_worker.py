@@ -3,12 +3,14 @@
     PYTHONPATH=. OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 tests/tp_worker.py out.json
 
 Every rank builds the same fp32 reference model from a seed and runs it unsharded (TP=1), then a
-copy sharded over both ranks (TP=2) or fed half the batch (dp=2), with the project's losses. It
-writes {check: max |difference|} (max over ranks) to out.json; the test holds the tolerances.
+copy sharded over both ranks (TP=2) or fed half the batch (dp=2), with the project's losses (and the
+metrics reduction, for the critic's explained variance). It writes {check: max |difference|} (max
+over ranks) to out.json; the test holds the tolerances.
 """
 
 import copy
 import json
+import math
 import sys
 
 import torch
@@ -17,9 +19,11 @@ import transformers
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+import logprobs
 import losses
 import parallel
 from embedded_engine import EmbeddedEngine
+from runlog import Metrics
 from data.tiny import tiny_config, tiny_moe_config
 
 B, L, P = 4, 12, 4  # batch, sequence length, prompt length: T = L - P response tokens
@@ -86,7 +90,7 @@ def forward_loss(model, kind: str, batch: dict, old: torch.Tensor | None, num_to
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     if kind == "policy":
         # Logits at position t predict token t + 1: response tokens P.. are scored by logits P-1..L-2.
-        pred = losses.token_logprobs(out[:, P - 1 : -1], batch["input_ids"][:, P:], TEMPERATURE)
+        pred = logprobs.token_logprobs(out[:, P - 1 : -1], batch["input_ids"][:, P:], TEMPERATURE)
     else:
         pred = out.squeeze(-1)[:, P:]
     if old is None:  # the reference run defines the "rollout-time" tensors for both runs
@@ -190,6 +194,46 @@ def check_dp(kind: str, dp_group, rank: int, out: dict) -> None:
     out[f"dp/llama/{kind}/grads"] = max_diff(grads(model), grads(ref))
 
 
+def check_dp_ev(rank: int, out: dict) -> None:
+    """The critic's explained variance of two ranks' half batches reduced by runlog.Metrics (add_ev, as update_critic
+    logs it) = the one-process EV of the full batch, overall and per position bucket; and the batch makes the mean of
+    the ranks' own EVs (what Metrics.add would log) far from it."""
+    critic = build("llama", "critic")
+    batch = make_batch(critic.config.vocab_size)
+    half = slice(rank * B // 2, (rank + 1) * B // 2)
+    mask = batch["mask"]
+    # The halves' returns sit 3 apart and the values follow them: the batch's Var(R) holds the gap, a half's does not.
+    offset = 3.0 * (torch.arange(B) >= B // 2)[:, None]
+    returns = batch["returns"] + offset
+    with torch.no_grad():
+        ref_values = forward_loss(critic, "critic", batch, None)[0] + offset
+        values = forward_loss(critic, "critic", {k: v[half] for k, v in batch.items()}, None)[0] + offset[half]
+    want = {
+        "critic/explained_variance": losses.explained_variance(ref_values, returns, mask),
+        **losses.explained_variance_by_position(ref_values, returns, mask),
+    }
+    m = Metrics()
+    m.add_ev(
+        {
+            "critic/explained_variance": losses.ev_stats(values, returns[half], mask[half]),
+            **losses.ev_stats_by_position(values, returns[half], mask[half], mask.size(1)),
+        }
+    )
+    got = m.reduce()
+    assert sorted(got) == sorted(want), f"EV keys differ: {sorted(got)} vs {sorted(want)}"
+
+    def diff(k: str) -> float:  # NaN (no variance) must match NaN
+        if want[k].isnan() or math.isnan(got[k]):
+            return 0.0 if want[k].isnan() and math.isnan(got[k]) else math.inf
+        return abs(got[k] - want[k].item())
+
+    out["dp/llama/critic/explained_variance"] = max(diff(k) for k in want)
+    rank_sum = losses.explained_variance(values, returns[half], mask[half])
+    dist.all_reduce(rank_sum)
+    gap = abs(rank_sum.item() / 2 - want["critic/explained_variance"].item())
+    assert gap > 0.1, f"the mean of the ranks' EVs is within {gap:.3g} of the batch EV: the check would pass unfixed"
+
+
 def check_dp_dtensor(dp_tp_mesh, rank: int, out: dict) -> None:
     """all_reduce_grads on DTensor gradients: a Linear sharded over the 1-rank "tp" axis of a (2, 1) mesh."""
     torch.manual_seed(0)
@@ -232,6 +276,7 @@ def main(out_path: str) -> None:
     dp_mesh = parallel.make_mesh(rt, tp=1)
     for kind in ("policy", "critic"):
         check_dp(kind, dp_mesh["dp"].get_group(), rt.rank, out)
+    check_dp_ev(rt.rank, out)
     check_dp_dtensor(dp_mesh, rt.rank, out)
 
     # Each rank measured its own copies; report the worst of the two.
