@@ -203,7 +203,7 @@ class RunLog:
     def samples(self, step: int, records: list[dict]) -> None:
         """One evaluation's completions: <out-dir>/samples/step_<step:06d>.jsonl, a JSON object per completion
         (kind greedy / sampled, problem, sample, prompt, answer, completion, reward and the reward's extra keys;
-        values JSON cannot hold are written as their repr), and with --wandb a Table "eval/samples"."""
+        values JSON cannot hold are written as their repr), and with --report-to wandb a Table "eval/samples"."""
         if self.rank != 0:
             return
         os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)

@@ -168,8 +168,8 @@ STOP_TOKENS = {
 
 @dataclass(frozen=True)
 class ToolLimits:
-    """Per-episode limits of a tool environment (--tool-calls-per-turn, --tool-calls-per-episode, --tool-timeout,
-    --tool-output-chars)."""
+    """Per-episode limits of a tool environment: --tool-calls-per-turn and --tool-timeout; the calls per episode and
+    the answer's length keep these defaults (edit them here)."""
 
     calls_per_turn: int = 4  # calls beyond it in one turn are not run: each gets an error message
     calls_per_episode: int = 16  # calls beyond it are not run: each gets an error message (answer now)

@@ -8,9 +8,10 @@
 
 Every rank holds a shard of the policy and the critic; the first rank of each TP group also holds a
 rollout engine (embedded torch sampler or SGLang) that generates that data-parallel replica's share.
-main() reads as the run: set up, load the task, build the models and engines, start the log, pretrain the
-critic, then train_step and finish_step per step. train_step calls the phases in order, and what occupies
-each device's memory during each (colocated: the phases take turns):
+main() reads as the run: set up, load the task, build the models and engines (build.py), start the log, pretrain
+the critic, then train_step and finish_step per step. train_step calls the phases in order; only advantages()
+names the algorithm (the others read the plan's properties: a critic, grouped rows, Monte Carlo values). What
+occupies each device's memory during each phase (colocated: the phases take turns):
 
     phase                                engine (weights + KV cache)   policy / critic / optimiser states
     rollout_phase (and vine_phase)       awake, generating             resident, idle

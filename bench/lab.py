@@ -652,7 +652,9 @@ def curve(rows):
     return sorted({r["step"]: r for r in rows if "pretrain/step" not in r}.values(), key=lambda r: r["step"])
 
 
-NONFINITE = "nonfinite.json"  # a run the trainer stopped on non-finite updates (forward.check_finite): an outcome, not a failure
+NONFINITE = (
+    "nonfinite.json"  # a run the trainer stopped on non-finite updates (update.check_finite): an outcome, not a failure
+)
 NONFINITE_LOG = re.compile(
     r"(?:step|critic pretraining step) (\d+): (?:the \w+ update made its weights non-finite|\d+ consecutive \w+ "
     r"updates had a non-finite loss)"

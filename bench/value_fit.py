@@ -14,7 +14,7 @@
 With --ceiling, the last epoch is printed beside bench/value_ceiling.py's perfect and prompt-only ceilings
 (its --out JSON) and the ratio fit / perfect. --critic-context answer (env) puts the reference answer (the
 environment's critic_context() string) before the prompt in the critic's input only, with the trainer's own prefix
-code (forward.context_ids, critic_batch); the policy's rollouts are unchanged. Seeds: --seed drives sampling, the
+code (value_model.context_ids, critic_batch); the policy's rollouts are unchanged. Seeds: --seed drives sampling, the
 split, the head-free init and the minibatch order; the same command prints the same figures.
 
     .venv/bin/python bench/value_fit.py                                    # default tiny addition model
@@ -254,7 +254,7 @@ def main(argv=None) -> dict:
     sampled = time.perf_counter() - start
     if args.critic_context == "policy":
         tb = ro.to_batch(tok.pad_token_id)
-    else:  # the trainer's critic-only prefixes (forward.context_ids), one sample per row
+    else:  # the trainer's critic-only prefixes (value_model.context_ids), one sample per row
         tb = critic_batch(ro, context_ids(args.critic_context, tok, rows, out, 1), tok.pad_token_id)
     fit_rows, held_rows = split(rows["prompt"], args.holdout, args.seed)
     cfg = Config()

@@ -1,4 +1,4 @@
-"""--critic-context: a critic-only prefix before each row's prompt (forward.context_ids, critic_batch). The critic's
+"""--critic-context: a critic-only prefix before each row's prompt (value_model.context_ids, critic_batch). The critic's
 values at the response positions equal a plain forward of prefix + prompt + response in every layout; the policy's
 inputs, log-probs and losses are those of a --critic-context policy run; an environment's critic_context() string
 reaches the critic only, on every row of its episode; and the option is refused where it cannot apply."""

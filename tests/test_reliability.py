@@ -418,7 +418,7 @@ def _resume(cfg):
 
 
 def _fingerprints(cfg, task):
-    """input_fingerprints of cfg's inputs and task's splits, taken as train_ppo.load_task takes them."""
+    """input_fingerprints of cfg's inputs and task's splits, taken as build.load_task takes them."""
     return input_fingerprints(
         task.train, task.test, model=cfg.model, task=cfg.task, eval_task=cfg.eval_task, reward=cfg.reward, env=cfg.env
     )
