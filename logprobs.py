@@ -29,14 +29,21 @@ HEAD_CHUNK_ELEMENTS = 2**25
 def process_logits(logits: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """The sampling distribution's logits: float32, temperature-scaled, then top-k, then top-p.
 
-    Excluded entries are -inf. top_k = 0 and top_p = 1.0 mean off; top_k = 1 is greedy (argmax, ties to
-    the lowest token id). Top-p keeps the smallest set of
-    tokens whose cumulative probability (after temperature and top-k) reaches top_p, always including
-    the most likely token. The rollout engine samples from softmax of exactly this, and the trainer
+        x = float32(logits) / temperature                  (temperature <= 0: ValueError)
+        top_k == 1:       keep only argmax(x)              (greedy; ties to the lowest token id)
+        1 < top_k < V:    keep x_i >= the k-th largest x   (every token tied with the k-th value is kept)
+        top_p < 1:        p = softmax(x) sorted descending; drop token j when p_0 + ... + p_{j-1} >= top_p
+
+    Excluded entries are -inf. top_k = 0 and top_p = 1.0 mean off, and a top_k >= V is a no-op. Top-p keeps the
+    smallest set of tokens whose cumulative probability (after temperature and top-k, renormalised) reaches top_p,
+    always including the most likely token. The rollout engine samples from softmax of exactly this, and the trainer
     recomputes log-probs through it, so engine and trainer share one definition.
 
-    logits: [..., V] any float dtype. Returns [..., V] float32 (a new tensor unless it is already
-    float32 with temperature 1 and no truncation)."""
+    logits: [..., V] any float dtype; temperature: > 0; top_k: int >= 0; top_p: in (0, 1]. Returns [..., V] float32
+    (a new tensor unless it is already float32 with temperature 1 and no truncation). Sources: top-p sampling,
+    Holtzman et al. 2019, arXiv 1904.09751; the order temperature, top-k, top-p is Hugging Face's logits warpers'
+    (SGLang's nucleus uses the mass before the top-k renormalisation: see sglang_engine.py).
+    """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     x = logits.float()
@@ -64,13 +71,16 @@ def process_logits(logits: Tensor, temperature: float = 1.0, *, top_k: int = 0, 
 def token_logprobs(
     logits: Tensor, tokens: Tensor, temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0
 ) -> Tensor:
-    """Log-prob of each token under softmax(process_logits(logits, temperature, top_k, top_p)).
+    """Log-prob of each token under softmax(process_logits(logits, temperature, top_k, top_p)):
+
+        logp[b, t] = max(x[b, t, y] - logsumexp(x[b, t]), EXCLUDED_LOGP),   x = process_logits(logits), y = tokens[b, t]
 
     logits: [B, T, V] (any float dtype), aligned so logits[:, t] predicts tokens[:, t].
-    tokens: [B, T] long. Returns [B, T] float32, differentiable w.r.t. logits.
-    Works on CHUNK_ROWS rows at a time, so at most one [B, T, V] float32 copy is held (the one autograd
+    tokens: [B, T] long; temperature, top_k, top_p: as ``process_logits``. Returns [B, T] float32, differentiable
+    w.r.t. logits. Works on CHUNK_ROWS rows at a time, so at most one [B, T, V] float32 copy is held (the one autograd
     keeps for backward; none for float32 logits at temperature 1). Tokens that top-k / top-p excluded
-    get EXCLUDED_LOGP with zero gradient.
+    get EXCLUDED_LOGP with zero gradient. The log-softmax gathered at the token of verl's logprobs_from_logits and
+    TRL's selective_log_softmax, on the processed logits.
     """
     assert logits.dim() == 3 and tokens.shape == logits.shape[:2], (
         f"logits {tuple(logits.shape)} vs tokens {tuple(tokens.shape)}"
@@ -101,9 +111,10 @@ def head_logprobs(
     a few copies of one chunk's logits, whatever B and T.
 
     head: the LM head (an nn.Linear [N, H] -> [N, V], possibly tensor-parallel); hidden: [B, T, H] hidden states
-    aligned so hidden[:, t] predicts tokens[:, t] (long [B, T]). Returns (log-probs [B, T] float32, differentiable
-    w.r.t. hidden and the head's weights; entropy [B, T] float32 of softmax(logits / temperature), detached, or None
-    unless ``entropy``).
+    aligned so hidden[:, t] predicts tokens[:, t] (long [B, T]); temperature, top_k, top_p: as ``process_logits``.
+    Returns (log-probs [B, T] float32, differentiable w.r.t. hidden and the head's weights; entropy [B, T] float32 of
+    softmax(logits / temperature), detached, or None unless ``entropy``). The formulas are token_logprobs' and
+    entropy_from_logits'; the chunking is the project's own (docs/algorithms.md, section 1).
     """
     assert hidden.dim() == 3 and tokens.shape == hidden.shape[:2], (
         f"hidden {tuple(hidden.shape)} vs tokens {tuple(tokens.shape)}"
@@ -111,13 +122,14 @@ def head_logprobs(
     flat_h = hidden.reshape(-1, hidden.size(-1))
     flat_t = tokens.reshape(-1, 1)
 
-    def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+    def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor | None]:
         logits = head(h)[None]
         lp = token_logprobs(logits, t.view(1, -1), temperature, top_k=top_k, top_p=top_p)[0]
         return lp, entropy_from_logits(logits.detach(), temperature)[0] if entropy else None
 
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-    step = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])  # a DTensor weight reports its global shape
+    # Positions per chunk; a DTensor weight reports its global shape, so V is the whole vocabulary under TP too.
+    step = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
     logp, ent = [], []
     for start in range(0, flat_h.size(0), step):
         h = flat_h[start : start + step]
@@ -133,7 +145,14 @@ def head_logprobs(
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / temperature) per position: [B, T, V] -> [B, T] float32 (chunked)."""
+    """Entropy of softmax(logits / temperature) per position:
+
+        H = -sum_v p_v log p_v,   p = softmax(float32(logits) / temperature)
+
+    logits: [B, T, V] (or [..., V]) any float dtype; temperature: > 0. Returns [B, T] float32, differentiable w.r.t.
+    logits (head_logprobs detaches it), computed CHUNK_ROWS rows at a time. Temperature only: top-k / top-p are not
+    applied. Logged as ppo/entropy. The quantity of verl's entropy_from_logits, on logits / temperature.
+    """
     flat = logits.reshape(-1, logits.size(-1))
     out = []
     for start in range(0, flat.size(0), CHUNK_ROWS):
