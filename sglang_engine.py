@@ -28,7 +28,7 @@ top_k = vocab size, which keeps every token, with sampling_mask_max_tokens = voc
 Both equal logprobs.token_logprobs(logits, tokens, temperature, top_k=, top_p=) up to float rounding.
 top-k and top-p together are refused: SGLang's nucleus cut uses the cumulative mass of the
 unfiltered probabilities (line 827), logprobs.process_logits the mass renormalised after top-k, so the
-kept sets differ. Ties: SGLang keeps exactly k tokens by sort order, losses every token tied with the
+kept sets differ. Ties: SGLang keeps exactly k tokens by sort order, logprobs every token tied with the
 k-th (only matters for exactly equal logits).
 
 Stopping: SGLang always stops at the model's own EOS ids (config.json and generation_config.json)
