@@ -21,7 +21,7 @@ adapter to the text form: --env picks either adapter by the class's methods.
 
 The driver (`run_episodes`) owns every token. It keeps the ids the engine sampled (model text is decoded for the
 environment, never encoded back), and takes each observation's ids from the chat template as a delta: the template
-rendered with and without the new user message, the suffix kept (`observation_ids`). A training row is
+rendered with and without the new user message, the suffix kept (`chat.observation_ids`). A training row is
 
     prompt (first user message + assistant header) | turn 1 | obs 1 | turn 2 | obs 2 | ... | turn k
 
@@ -33,13 +33,14 @@ fit in the context ("context"; an observation too long for the context left is n
 length in characters already rules it out, and a warning names the environment, episode and turn).
 
 The environment's code (its constructor, reseed, reset, critic_context and step) runs through data.rewards.call_user:
-in a worker thread, each call limited to --user-timeout seconds; reset gets a copy of its row. A hang, an exception or a sys.exit stops
-the run with an error naming the class, the method, the episode (its row's "where" column, or its prompt) and the turn.
+in a worker thread, each call limited to --user-timeout seconds; reset gets a copy of its row. A hang, an exception or a
+sys.exit stops the run with an error naming the class, the method, the episode (its row's "where" column, or its
+prompt) and the turn.
 
 Context compaction (GLM-5.2): once a row's context would pass `compact_at` tokens, the next user message is the
 observation plus the environment's `summary_request` (default SUMMARY_REQUEST); the model's answer (the summary) is
 trained, that row ends ("compact"), and the episode continues in a new row whose prompt is the first user message plus
-the summary (`summary_prompt`: the summary's sampled ids are spliced in, not re-encoded). Every row of an episode
+the summary (`chat.summary_prompt`: the summary's sampled ids are spliced in, not re-encoded). Every row of an episode
 carries the episode's return: the rewards of the later rows are added on the row's last model token, so with
 gamma = 1 every token's return-to-go is the episode's (not divided by the number of rows).
 """
@@ -56,18 +57,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from chat import check_chat_template, first_prompt_ids, observation_ids, summary_prompt
 from data.rewards import DEFAULT_USER_TIMEOUT, call_user, failure, import_target
 from rollout import Rollout, Sampling
 from tools import is_tool_env, tool_methods, tool_schemas
 
 ENV_FORMS = "'path/to/file.py:Class' or 'package.module:Class'"
 SUMMARY_REQUEST = "Summarise the progress so far in one line."
-SUMMARY_JOIN = "\nso far: "  # the new row's first user message: the task's, SUMMARY_JOIN, the summary
 DEFAULT_MAX_TURNS = 8  # --max-turns 0 with --env
 FINISH_REASONS = ("done", "turns", "turn_length", "context")  # of an episode; a compacted row's is "compact"
 _CALLS_PER_EPISODE = 1024  # seed stride: engine calls (turns + summaries) one episode may make
-_SLOT = "\x00slot\x00"  # a placeholder content for chat-template renders
-_CHECKED: set[tuple] = set()  # (chat template, tools) pairs check_chat_template has passed
 _WARNED: set[str] = set()  # environments already warned about an observation too long for the context
 
 
@@ -106,11 +105,10 @@ def load_env(spec: str):
         try:
             inspect.signature(call).bind(*args)
         except TypeError as e:
-            takes = (
-                "no arguments (one instance per episode)"
-                if method == "__init__"
-                else f"one argument ({method}({'row' if method == 'reset' else 'text'}))"
-            )
+            if method == "__init__":
+                takes = "no arguments (one instance per episode)"
+            else:
+                takes = f"one argument ({method}({'row' if method == 'reset' else 'text'}))"
             raise ValueError(f"--env {spec!r}: {name}.{method} must take {takes}: {e}") from None
         except ValueError:  # a builtin without a signature: nothing to check
             pass
@@ -162,104 +160,28 @@ def skyrl_env(cls) -> type:
     return SkyRL
 
 
-# ----------------------------------------------------------------------------- chat-template deltas
-
-
-def _render(tok, messages, generation_prompt: bool, tools: list[dict] | None = None) -> str:
-    return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)
-
-
-def observation_ids(
-    tok, message: str | list[dict], stop: str | None = None, tools: list[dict] | None = None
-) -> list[int]:
-    """Token ids that follow a model turn's stop token: the end of the assistant turn (what the template writes after
-    the stop token, e.g. ChatML's newline), the next message(s), and the next assistant header. Taken from the chat
-    template as a delta, with a placeholder for the model's turn, so no model text is encoded. message: a user
-    message, or a list of messages (a tool turn's {"role": "tool", "content": ...} results). stop: the text of the
-    stop token the turn ended with (default EOS); where the template opens the next message with it (GLM's
-    <|observation|>, which ends a turn that calls tools), that sampled token is the delta's start and is not repeated;
-    any other stop token stands in for the template's EOS, which the delta then starts after.
-    tools: the schemas the first prompt was rendered with (a template may print them)."""
-    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SLOT}]
-    before = _render(tok, base, False, tools)
-    after = _render(
-        tok, base + ([{"role": "user", "content": message}] if isinstance(message, str) else list(message)), True, tools
-    )
-    cut = before.index(_SLOT) + len(_SLOT)
-    if not after.startswith(before[:cut]):
-        raise ValueError(
-            "observation_ids: the chat template renders earlier turns differently once a message follows "
-            "them, so observation tokens cannot be taken as a delta"
-        )
-    rest = after[cut:]
-    ends = [t for t in (stop, tok.eos_token) if t]  # another stop token stands in for EOS
-    end = next((t for t in ends if rest.startswith(t)), None)
-    if end is None:
-        raise ValueError(
-            f"observation_ids: the chat template does not end an assistant turn with {' or '.join(map(repr, ends))} "
-            f"(it writes {rest[:20]!r}), the stop token the model's turn ended with"
-        )
-    return tok(rest[len(end) :], add_special_tokens=False).input_ids
-
-
-THINK_PROBE = "<think>\nprobe\n</think>\n\nanswer"  # an assistant turn as reasoning models write it
-
-
-def check_chat_template(tok, tools: list[dict] | None = None) -> None:
-    """Refuse a chat template that rewrites earlier assistant turns once a message follows them (Qwen3's drops their
-    <think> blocks): a multi-turn row would then not be the conversation the template renders. run_episodes calls it;
-    a template is checked once per process (_CHECKED); a ValueError says what the template dropped."""
-    key = (tok.chat_template, repr(tools))
-    if key in _CHECKED:
-        return
-    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": THINK_PROBE}]
-    for later in ([{"role": "user", "content": "y"}], [{"role": "tool", "content": "y"}]):
-        try:
-            text = _render(tok, base + later, True, tools)
-        except Exception:
-            # a template without a tool role: a tool episode would fail at its first tool turn, named there
-            continue
-        if THINK_PROBE not in text:
-            raise ValueError(
-                f"the chat template rewrites an earlier assistant turn once a {later[0]['role']} message follows it "
-                f"(an assistant turn {THINK_PROBE!r} does not survive): multi-turn rows could not be the rendered "
-                "conversation. Use a template that keeps earlier turns verbatim"
-            )
-    _CHECKED.add(key)
-
-
-def first_prompt_ids(tok, message: str, tools: list[dict] | None = None) -> list[int]:
-    """The first prompt's ids: the user message (after the tools' schemas, where the template prints them) and the
-    assistant header."""
-    return tok(_render(tok, [{"role": "user", "content": message}], True, tools), add_special_tokens=False).input_ids
-
-
-def summary_prompt(tok, first: str, summary_ids: list[int]) -> list[int]:
-    """The prompt of a compacted episode's next row: the first user message, SUMMARY_JOIN and the summary's own
-    sampled ids (without their stop token), spliced into the rendered template."""
-    text = _render(tok, [{"role": "user", "content": first + SUMMARY_JOIN + _SLOT}], True)
-    head, tail = text.split(_SLOT)
-
-    def enc(s):
-        return tok(s, add_special_tokens=False).input_ids
-
-    return enc(head) + list(summary_ids) + enc(tail)
-
-
 # ----------------------------------------------------------------------------- the driver
 
 
 @dataclass
 class _Row:
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    model: list[bool] = field(default_factory=list)
-    logp: list[float] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    turns: int = 0
-    finish: str = ""
+    """One training row while its episode plays: the prompt ids, then the response as it grows (the model's turns and
+    the observations between them), with per response token its kind, log-prob and reward. Lists, not tensors: rows
+    grow by a turn at a time and have different lengths until _to_episodes pads them (Rollout.from_ragged)."""
+
+    prompt: list[int]  # the first prompt, or after a compaction the task's and the summary (chat.summary_prompt)
+    tokens: list[int] = field(default_factory=list)  # the response: model and observation tokens, in order
+    model: list[bool] = field(default_factory=list)  # per token of tokens: sampled by the model (trained)
+    logp: list[float] = field(default_factory=list)  # per token: the engine's log-prob, 0.0 on observation tokens
+    rewards: list[float] = field(default_factory=list)  # per token: each turn's reward on its last model token
+    turns: int = 0  # environment turns played in this row (a summary is not one)
+    finish: str = ""  # "compact" once a summary ends the row; the others take the episode's finish in _to_episodes
 
     def add(self, ids, logp=None, model=True):
+        """Append `ids` to the response: a model turn (model=True) with the engine's log-probs `logp`, one per id, or
+        an observation (model=False, logp None) whose tokens get log-prob 0.0, as they are attended and never
+        trained. Every new token's reward is 0.0; the caller adds the turn's reward on the last one after the
+        environment's step."""
         self.tokens += ids
         self.model += [model] * len(ids)
         self.logp += logp if logp is not None else [0.0] * len(ids)
@@ -283,18 +205,21 @@ class Start:
 
 @dataclass
 class _Episode:
-    k: int
-    env: object
-    first: str
+    """One episode while it plays: its environment instance, its rows (one, or one more per compaction; the last is
+    the one that grows), its conversation, and the counters run_episodes' steps read and advance."""
+
+    k: int  # its index in the call: row k // n, sample k % n (a continuation: its Start's index)
+    env: object  # the environment instance (one per episode; a continuation's is the Start's copy)
+    first: str  # the first user message, which a compacted row's prompt repeats ("" for a continuation)
     where: str  # the episode and its row, for errors
     rows: list[_Row]
-    messages: list[dict]
+    messages: list[dict]  # the conversation as chat messages (Episodes.messages)
     seed: int  # engine call c draws from seed + c
-    turns: int = 0
-    calls: int = 0
-    ret: float = 0.0
-    finish: str = ""
-    summarising: bool = False
+    turns: int = 0  # environment turns played (a continuation starts at its Start's)
+    calls: int = 0  # engine calls made: turns and summaries, the c of the next call's seed
+    ret: float = 0.0  # the rewards collected so far
+    finish: str = ""  # how it ended (FINISH_REASONS); "" while it plays
+    summarising: bool = False  # the last observation asked for a summary: the next turn ends the row
     hidden: str | None = None  # what env.critic_context() returned after reset
 
 
@@ -329,10 +254,18 @@ class Episodes:
 
 
 def _check_step(out, env, turn: str, text: str):
+    """The (observation, reward, done) that environment `env`'s step returned (`out`), checked and with the reward as a
+    float. turn: the turn and episode, text: the model's turn, both for errors. Returns (obs, float(reward), done):
+    obs a str or a non-empty list of chat messages ({"role": str, "content": str}), or None when done. A wrong
+    return raises a RuntimeError that names the class, the turn and what it returned: left unchecked, it would fail
+    later and far from its cause (in the chat template on a bad observation, or as a non-finite loss)."""
     name = type(env).__name__
 
     def short(x):
         return repr(x)[:200]
+
+    def is_message(m):
+        return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
     if not (isinstance(out, tuple) and len(out) == 3):
         raise RuntimeError(
@@ -347,13 +280,7 @@ def _check_step(out, env, turn: str, text: str):
             f"environment {name}.step returned reward {short(reward)} on {turn} (model text {text!r}); "
             "rewards must be finite numbers"
         )
-    messages = (
-        isinstance(obs, list)
-        and obs
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in obs
-        )
-    )
+    messages = isinstance(obs, list) and obs and all(is_message(m) for m in obs)
     if not (isinstance(obs, str) or messages or (obs is None and done)):
         raise RuntimeError(
             f"environment {name}.step returned observation {short(obs)} with done={done} on {turn}; an "
@@ -366,13 +293,16 @@ def _check_step(out, env, turn: str, text: str):
 @functools.cache
 def _longest_token(tok) -> int:
     """Characters of the tokenizer's longest token (special tokens included): an observation of c characters is at least
-    c / this many tokens, a bound that rules out a huge observation without encoding it."""
+    c / this many tokens, a bound that rules out a huge observation without encoding it (a runaway environment's
+    megabyte message would otherwise be encoded only to be dropped). Cached per tokenizer: the vocabulary is read
+    once."""
     return max(map(len, tok.get_vocab()))
 
 
 @dataclass(frozen=True)
 class _Play:
-    """What every step of run_episodes reads: the tokenizer, the environment (named for errors), the limits."""
+    """What every step of run_episodes reads: the tokenizer, the environment (named for errors), the limits. Built
+    once per call, so the steps take one argument for it instead of eight; frozen, as no step changes it."""
 
     tok: object
     name: str  # "environment <class>", for errors
@@ -384,14 +314,21 @@ class _Play:
     compact_at: int
 
     def user(self, method: str, fn, args: tuple, where: str):
-        """One call of the environment's code, its failures named."""
+        """fn(*args), a call of the environment's code, through data.rewards.call_user: in a worker thread under
+        the --user-timeout limit (none for a tools.ToolEpisode, which limits each call of the class's code itself).
+        method: the call's name after the class's ("()", ".reset", ".step"); where: the episode or turn; both for
+        errors. Returns what fn returns; an exception, a sys.exit or a timeout becomes a RuntimeError naming the
+        environment, the method and where (data.rewards.failure)."""
         try:  # a ToolEpisode limits each call of the class's code itself
             return call_user(fn, *args, timeout=self.timeout if self.tools is None else 0, what=f"{self.name}{method}")
         except Exception as e:
             raise RuntimeError(failure(f"{self.name}{method}", e, where)) from e
 
     def render(self, f, *args, where: str) -> list[int]:
-        """The chat template on an environment's message (f: first_prompt_ids or observation_ids)."""
+        """f(tok, *args): the chat template on an environment's message (f: chat.first_prompt_ids or
+        chat.observation_ids, args: the message and what f takes after it). Returns the ids f returns; a template
+        that fails on the message (a role it does not know, content it cannot print) becomes a RuntimeError naming
+        the environment and `where`, the episode or turn, instead of an error from inside Jinja."""
         try:
             return f(self.tok, *args)
         except Exception as e:
@@ -457,7 +394,10 @@ def run_episodes(
 
 
 def _start_episodes(play: _Play, env_cls, rows: list[dict], sampling: Sampling) -> list[_Episode]:
-    """sampling.n episodes per task row, each at its first prompt; episode e's c-th call draws (seed + e) * 1024 + c."""
+    """sampling.n episodes per task row of `rows`, each started at its first prompt (_start_episode), in order:
+    episode e is row e // n, sample e % n. Episode e's c-th engine call draws from (sampling.seed + e) * 1024 + c,
+    so its draws depend on its own index and not on the other episodes of the call (a batch split over ranks, whose
+    sampling.seed is offset by their first episode, plays the same episodes). Returns the episodes."""
     eps = []
     for i, row in enumerate(rows):
         for j in range(sampling.n):
@@ -470,8 +410,13 @@ def _start_episodes(play: _Play, env_cls, rows: list[dict], sampling: Sampling) 
 
 
 def _start_episode(play: _Play, env_cls, row: dict, k: int, where: str, seed: int) -> _Episode:
-    """Episode k on task row `row`: its environment built, reseeded (where it can be), reset on a copy of the row, its
-    critic context taken, and its first prompt encoded; a first message that cannot fit in the context is an error."""
+    """Episode k on task row `row`: its environment built (env_cls()), reseeded with seed + 1023 where it defines
+    reseed (a seed none of the episode's engine calls uses), reset on a copy of the row (user code must not change the
+    row that the episode's other samples and the reward read), its critic context taken, and its first prompt encoded
+    (chat.first_prompt_ids, with the tools' schemas). where: the episode for errors; seed: its engine calls' base.
+    Returns the episode with one row, its prompt. A reset that does not return a non-empty str, or a critic_context
+    that does not return a str, is a RuntimeError; a first message that cannot fit in the context with a turn's
+    max_new_tokens is a ValueError (not encoded when its length in characters already rules it out)."""
     env = play.user("()", env_cls, (), where)
     if callable(getattr(env, "reseed", None)):
         play.user(".reseed", env.reseed, (seed + _CALLS_PER_EPISODE - 1,), where)
@@ -492,16 +437,21 @@ def _start_episode(play: _Play, env_cls, row: dict, k: int, where: str, seed: in
     else:
         prompt = play.render(first_prompt_ids, first, play.tools, where=where)
     if not prompt or len(prompt) > room:
+        size = f"{len(prompt)} tokens" if prompt else f"{len(first)} characters"
         raise ValueError(
-            f"run_episodes: the first message of {play.name}.reset on {where} is "
-            f"{f'{len(prompt)} tokens' if prompt else f'{len(first)} characters'}; with --max-new-tokens "
+            f"run_episodes: the first message of {play.name}.reset on {where} is {size}; with --max-new-tokens "
             f"{play.max_new_tokens} it does not fit in the context ({play.context_len})"
         )
     return _Episode(k, env, first, where, [_Row(prompt)], [{"role": "user", "content": first}], seed, hidden=hidden)
 
 
 def _continue_from(play: _Play, starts: list[Start]) -> list[_Episode]:
-    """VinePPO's continuations: one episode from each Start, its environment reseeded with start.seed + 1023."""
+    """VinePPO's continuations (vine.py): episode i plays on from starts[i], on its environment (a deep copy the
+    caller made), reseeded with start.seed + 1023, from its row so far (prompt, tokens and model flags copied; the
+    tokens before the state get log-prob and reward 0.0: vine.py reads the returns) with its turns and return so
+    far, so its return is the whole episode's. Its engine calls draw from start.seed + c. Returns the episodes; an
+    environment without reseed is a ValueError: a copy would replay the randomness of the episode it was copied from
+    in every continuation, where each must draw its own."""
     eps = []
     for i, st in enumerate(starts):
         where = f"a continuation (number {i}) of {st.where}"
@@ -517,7 +467,9 @@ def _continue_from(play: _Play, starts: list[Start]) -> list[_Episode]:
 
 
 def _live_episodes(play: _Play, eps: list[_Episode]) -> list[_Episode]:
-    """The episodes that play another turn; one whose next turn would pass the context ends here ("context")."""
+    """The episodes of `eps` that play another turn, in order. One still playing whose next turn (its row's prompt
+    and response, plus max_new_tokens) would pass the context ends here, with finish "context": the engine must never
+    be asked for more tokens than the context holds."""
     live = []
     for e in eps:
         row = e.rows[-1]
@@ -529,7 +481,10 @@ def _live_episodes(play: _Play, eps: list[_Episode]) -> list[_Episode]:
 
 
 def _snapshot(play: _Play, live: list[_Episode], starts_of: dict[int, list[Start]]) -> None:
-    """VinePPO: each live episode's state before its next turn (its environment deep-copied) onto starts_of[e.k]."""
+    """VinePPO (run_episodes(snapshots=True)): each live episode's state before its next turn appended to
+    starts_of[e.k] as a Start: its environment deep-copied (the original plays on, so the copy must be taken before
+    the step changes it), its row so far, its turns and return. starts_of maps an episode's k to its states in turn
+    order. An environment that cannot be copied is a RuntimeError naming it and the turn."""
     for e in live:
         r = e.rows[-1]
         try:
@@ -545,7 +500,10 @@ def _snapshot(play: _Play, live: list[_Episode], starts_of: dict[int, list[Start
 
 
 def _play_turn(play: _Play, engine, sampling: Sampling, live: list[_Episode]) -> None:
-    """One turn of every live episode: one engine call over them all, then each episode's turn taken (_take_turn)."""
+    """One turn of every episode in `live`: one engine generate call over them all (each row's prompt and response
+    so far as the context, n=1, episode e's seed e.seed + e.calls), then each episode's sampled ids and log-probs
+    (the response's masked tokens) taken in order (_take_turn). One call per turn, not per episode, so the engine
+    batches the episodes; the per-episode seeds keep each one's draws independent of the others in the call."""
     seeds = tuple(e.seed + e.calls for e in live)
     ro = engine.generate([e.rows[-1].prompt + e.rows[-1].tokens for e in live], replace(sampling, n=1, seeds=seeds))
     for i, e in enumerate(live):
@@ -554,8 +512,12 @@ def _play_turn(play: _Play, engine, sampling: Sampling, live: list[_Episode]) ->
 
 
 def _take_turn(play: _Play, e: _Episode, ids: list[int], logp: list[float], finish_reason: str) -> None:
-    """Episode e's sampled turn (its ids and the engine's log-probs): appended to its row, then either the summary
-    that ends the row (compaction) or the text stepped in the environment, whose observation follows the turn."""
+    """Episode e's sampled turn (ids and the engine's log-probs logp, one per id) appended to its row; then the turn
+    ends the episode ("turn_length") when finish_reason is not "stop" (cut at max_new_tokens, it has no stop token
+    for the template to follow), or, decoded, it is the summary that ends the row (compaction: the episode goes on in
+    a new row from chat.summary_prompt), or it is the text stepped in the environment: its reward goes on the turn's
+    last token, and the episode ends ("done", "turns") or takes the observation (_add_observation). A tool turn is
+    decoded with special tokens kept (the tool-call markup may be special tokens) and without its stop token."""
     row = e.rows[-1]
     row.add(ids, logp)
     e.calls += 1
@@ -574,9 +536,8 @@ def _take_turn(play: _Play, e: _Episode, ids: list[int], logp: list[float], fini
         e.rows.append(_Row(summary_prompt(play.tok, e.first, ids[:-1])))
         return
     turn = f"turn {e.turns + 1} of {e.where}"
-    obs, reward, done = _check_step(
-        play.user(".step", e.env.step, (text,), f"{turn} (model text {text!r})"), e.env, turn, text
-    )
+    out = play.user(".step", e.env.step, (text,), f"{turn} (model text {text!r})")
+    obs, reward, done = _check_step(out, e.env, turn, text)
     row.rewards[-1] += reward
     row.turns += 1
     e.turns += 1
@@ -588,9 +549,13 @@ def _take_turn(play: _Play, e: _Episode, ids: list[int], logp: list[float], fini
 
 
 def _add_observation(play: _Play, e: _Episode, obs: str | list[dict], last_id: int, turn: str) -> None:
-    """The observation's ids appended to episode e's row after its turn (which ended with token last_id), with the
-    summary request where the row would pass compact_at; an observation that does not fit ends the episode
-    ("context") with a warning, once per environment."""
+    """Observation `obs` (a str, or a tool turn's list of messages) appended to episode e's row after its turn, as
+    the ids the chat template puts after the turn's stop token, last_id (chat.observation_ids: a stop token other
+    than EOS, such as GLM's <|observation|>, is passed on as the text it stands for). Where the row would pass
+    compact_at, the observation gets the environment's summary_request (default SUMMARY_REQUEST) and the next turn
+    is the summary. An observation that does not fit in the context left ends the episode ("context") with a
+    warning, once per environment (the rest show in rollout/finish_context_frac); it is not encoded when its length
+    in characters already rules it out. turn: the turn and episode, for errors and the warning."""
     tok = play.tok
     row = e.rows[-1]
     used = len(row.prompt) + len(row.tokens)
@@ -622,9 +587,12 @@ def _add_observation(play: _Play, e: _Episode, obs: str | list[dict], last_id: i
 
 
 def _to_episodes(eps: list[_Episode], starts_of: dict[int, list[Start]] | None, tool_env: bool) -> Episodes:
-    """The finished episodes as training rows (what run_episodes returns): each row's finish set, and every row
-    carrying its episode's return (the rewards of the episode's later rows added on its last model token); per episode
-    its snapshots (starts_of, where recorded) and tool statistics (tool_env)."""
+    """The finished episodes `eps` as what run_episodes returns: their rows with a model token (a new row whose
+    context ran out before a turn is dropped), padded into one Rollout, episode by episode; each row's finish set
+    (a compacted row keeps "compact", the others take the episode's), and each row carrying its episode's return: the
+    rewards of the episode's later rows are added on its last model token, so with gamma = 1 every token's
+    return-to-go is the episode's, whichever row it is in. starts_of: the snapshots per episode k (None without
+    snapshots); tool_env: fill Episodes.tool_stats from each environment's ToolEpisode.stats."""
     out = []  # (episode, row)
     for k, e in enumerate(eps):
         rs = [r for r in e.rows if any(r.model)]  # a new row with no turn (the context ran out) is not a row

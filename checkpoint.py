@@ -97,7 +97,9 @@ def checkpoint_problem(ckpt: str, algo: str = "ppo") -> str | None:
     try:
         with open(os.path.join(ckpt, "meta.json")) as f:
             meta = json.load(f)
-        world_size, _ = int(meta["world_size"]), int(meta["step"])  # what check_resume and the resume read
+        # what check_resume and the resume read: both must be integers
+        world_size = int(meta["world_size"])
+        int(meta["step"])
     except FileNotFoundError:
         return "meta.json is missing (the writer renames only complete checkpoints into place: this one was damaged)"
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -112,7 +114,8 @@ def checkpoint_problem(ckpt: str, algo: str = "ppo") -> str | None:
                 json.load(f)
         except (OSError, ValueError) as e:
             return f"{model}/config.json is not valid JSON ({type(e).__name__}: {e})"
-        if bad := safetensors_problem(folder):
+        bad = safetensors_problem(folder)
+        if bad:
             return bad
     for r in range(world_size):
         path = os.path.join(ckpt, f"trainer_rank{r}.pt")
@@ -128,14 +131,10 @@ def checkpoint_problem(ckpt: str, algo: str = "ppo") -> str | None:
 def _checkpoint_names(out_dir: str) -> list[str]:
     """Every step_* folder under checkpoints/, newest first: each is a checkpoint, intact or damaged."""
     root = os.path.join(out_dir, "checkpoints")
-    return sorted(
-        (
-            d
-            for d in (os.listdir(root) if os.path.isdir(root) else [])
-            if d.startswith("step_") and os.path.isdir(os.path.join(root, d))
-        ),
-        reverse=True,
-    )
+    if not os.path.isdir(root):
+        return []
+    steps = [d for d in os.listdir(root) if d.startswith("step_") and os.path.isdir(os.path.join(root, d))]
+    return sorted(steps, reverse=True)
 
 
 def latest_checkpoint(out_dir: str, algo: str = "ppo") -> str | None:
@@ -144,7 +143,8 @@ def latest_checkpoint(out_dir: str, algo: str = "ppo") -> str | None:
     damaged = []
     for name in _checkpoint_names(out_dir):
         path = os.path.join(out_dir, "checkpoints", name)
-        if (bad := checkpoint_problem(path, algo)) is None:
+        bad = checkpoint_problem(path, algo)
+        if bad is None:
             if damaged:
                 print(
                     f"note: resuming from {name}, the newest intact checkpoint; skipped damaged " + "; ".join(damaged),
@@ -166,12 +166,12 @@ def check_fresh_start(out_dir: str, algo: str = "ppo") -> None:
     if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
         try:
             steps = [row.get("step") for row in read_metrics(metrics) if isinstance(row, dict)]
-            found.append(
-                f"metrics.jsonl ({len(steps)} rows, up to step {max((s for s in steps if isinstance(s, int)), default='?')})"
-            )
+            last = max((s for s in steps if isinstance(s, int)), default="?")
+            found.append(f"metrics.jsonl ({len(steps)} rows, up to step {last})")
         except ValueError as e:
             found.append(f"metrics.jsonl ({e})")
-    if os.path.isdir(samples := os.path.join(out_dir, "samples")) and os.listdir(samples):
+    samples = os.path.join(out_dir, "samples")
+    if os.path.isdir(samples) and os.listdir(samples):
         found.append(f"samples/ ({len(os.listdir(samples))} files)")
     found += [
         f"checkpoints/{name} ({checkpoint_problem(os.path.join(out_dir, 'checkpoints', name), algo)})"
@@ -187,7 +187,8 @@ def check_fresh_start(out_dir: str, algo: str = "ppo") -> None:
 
 
 # What a resume may change: options that do not change what the run means (its length, evaluation, logging,
-# checkpointing, the user-code time limit) and the learning rates, applied for real to the optimisers (to resume after a blow-up).
+# checkpointing, the user-code time limit) and the learning rates, applied for real to the optimisers (to resume
+# after a blow-up).
 RESUMABLE = (
     "steps",
     "eval_every",
@@ -248,9 +249,11 @@ def check_resume(ckpt: str, world_size: int, *, options: dict, defaults: dict) -
     out_dir = options["out_dir"]
     steps = options["steps"]
     record = run_record(out_dir)
-    if os.path.isfile(metrics := os.path.join(out_dir, "metrics.jsonl")):
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(metrics):
         read_metrics(metrics)  # a bad line mid-file is named now, before any model loads
-    recorded, inputs = record["config"], record.get("inputs") or {}
+    recorded = record["config"]
+    inputs = record.get("inputs") or {}
     # An option newer than the run is compared with its default (MISSING: an option without one counts as changed).
     changed = {
         k: [recorded.get(k), v]
@@ -289,13 +292,8 @@ def check_resume(ckpt: str, world_size: int, *, options: dict, defaults: dict) -
 
 # ----------------------------------------------------------------------------- the run's inputs, by content
 
-PATH_OPTIONS = (
-    "model",
-    "task",
-    "eval_task",
-    "reward",
-    "env",
-)  # options that name files: compared by resolved path / content
+# options that name files: compared by resolved path / content
+PATH_OPTIONS = ("model", "task", "eval_task", "reward", "env")
 _LABELS = {
     "task": "--task",
     "eval_task": "--eval-task",
@@ -327,11 +325,12 @@ def _sha256_path(path: str) -> str:
     """sha256 of a file; of a folder, of its files' relative paths and bytes (datasets' cache-*.arrow map caches and
     hidden files left out: datasets writes them into the folder it loads)."""
     h = hashlib.sha256()
-    files = (
-        [path]
-        if os.path.isfile(path)
-        else sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if not f.startswith((".", "cache-")))
-    )
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(
+            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if not f.startswith((".", "cache-"))
+        )
     for file in files:
         h.update(os.path.relpath(file, path).encode() + b"\0")
         with open(file, "rb") as f:
@@ -343,7 +342,8 @@ def _sha256_path(path: str) -> str:
 def _sha256_rows(ds) -> str:
     """sha256 of a split's rows in order, every column but `where` (a row's file name and line: a moved file's rows
     are the same rows)."""
-    h, keys = hashlib.sha256(), sorted(set(ds.column_names) - {"where"})
+    h = hashlib.sha256()
+    keys = sorted(set(ds.column_names) - {"where"})
     for batch in ds.iter(batch_size=4096):  # by batch: row by row, datasets' formatting costs 5x (100k rows: 1 s)
         for row in zip(*(batch[k] for k in keys)):
             h.update(json.dumps(dict(zip(keys, row)), sort_keys=True, default=repr).encode() + b"\n")
@@ -357,17 +357,15 @@ def input_fingerprints(train, test, *, model: str, task: str, eval_task: str, re
     train, test: the task's splits as loaded (datasets.Dataset); model, task, eval_task, reward, env: the options'
     values (PATH_OPTIONS)."""
     specs = {"model": model, "task": task, "eval_task": eval_task, "reward": reward, "env": env}
-    out = {
-        k: {"path": path} if k == "model" else {"path": path, "sha256": _sha256_path(path)}
-        for k in PATH_OPTIONS
-        if (path := input_path(k, specs[k])) is not None
-    }
-    return {
-        **out,
-        **{
-            k: {"rows": len(ds), "sha256": _sha256_rows(ds)} for k, ds in (("train_split", train), ("test_split", test))
-        },
-    }
+    out = {}
+    for k in PATH_OPTIONS:
+        path = input_path(k, specs[k])
+        if path is None:
+            continue
+        out[k] = {"path": path} if k == "model" else {"path": path, "sha256": _sha256_path(path)}
+    for k, ds in (("train_split", train), ("test_split", test)):
+        out[k] = {"rows": len(ds), "sha256": _sha256_rows(ds)}
+    return out
 
 
 def check_inputs(out_dir: str, now: dict, changes: dict, *, accept_changed_inputs: bool) -> dict:
@@ -376,10 +374,11 @@ def check_inputs(out_dir: str, now: dict, changes: dict, *, accept_changed_input
     (--accept-changed-inputs); a moved file of the same content is the same input. Returns the differences accepted,
     {"inputs/<name>": [recorded, now]}, for config.json's "resumes" (a changed --eval-task / --eval-split, in the
     resume's `changes`, may change the held-out split)."""
-    recorded, out = run_record(out_dir).get("inputs"), {}
-    refused = (
-        [] if recorded is not None else ["config.json records no fingerprints (a run from before they were recorded)"]
-    )
+    recorded = run_record(out_dir).get("inputs")
+    out = {}
+    refused = []
+    if recorded is None:
+        refused.append("config.json records no fingerprints (a run from before they were recorded)")
     skip = {"model"} | ({"eval_task", "test_split"} if {"eval_task", "eval_split"} & set(changes) else set())
     for k in sorted((set(recorded or {}) | set(now)) - skip):
         old, new = (recorded or {}).get(k) or {}, now.get(k) or {}
@@ -438,9 +437,8 @@ def _save_hf(model, path: str, rank: int, tokenizer=None) -> None:
     }
     if rank == 0:
         os.makedirs(path)
-        model.config.architectures = [
-            type(model).__name__.removeprefix("FSDP")
-        ]  # fully_shard renames the class FSDP<name>
+        # fully_shard renames the class FSDP<name>
+        model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
         model.config.save_pretrained(path)
         save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         if getattr(model, "generation_config", None) is not None and model.can_generate():
@@ -463,14 +461,14 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, sd: dict) -> None:
     for i, s in sd["state"].items():
         p = params[i]
         if isinstance(p, DTensor):
-            # shape and stride given: an FSDP shard can be uneven (the last dp rank's rows fewer), which from_local cannot infer
-            s.update(
-                {
-                    k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                    for k, v in s.items()
-                    if torch.is_tensor(v) and v.dim() > 0
-                }
-            )
+            # shape and stride given: an FSDP shard can be uneven (the last dp rank's rows fewer), which from_local
+            # cannot infer
+            shards = {
+                k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                for k, v in s.items()
+                if torch.is_tensor(v) and v.dim() > 0
+            }
+            s.update(shards)
     opt.load_state_dict(sd)
 
 

@@ -31,11 +31,11 @@ def load_pretrained(cls, path: str, what: str, *, new: tuple[str, ...] = (), unu
     def shape(k):
         return f"{k[0]} ({tuple(k[1])} in the files, {tuple(k[2])} in the model)" if isinstance(k, tuple) else str(k)
 
+    missing = sorted(k for k in info["missing_keys"] if not k.startswith(new))
+    unexpected = sorted(k for k in info["unexpected_keys"] if not k.startswith(unused))
     problems = {
-        f"lacks {{}} tensor(s) that {name} needs": sorted(k for k in info["missing_keys"] if not k.startswith(new)),
-        f"has {{}} tensor(s) that {name} does not use": sorted(
-            k for k in info["unexpected_keys"] if not k.startswith(unused)
-        ),
+        f"lacks {{}} tensor(s) that {name} needs": missing,
+        f"has {{}} tensor(s) that {name} does not use": unexpected,
         "has {} tensor(s) of another shape than the model's": sorted(map(shape, info["mismatched_keys"])),
     }
     if any(problems.values()):
@@ -151,16 +151,21 @@ class Decoder:
 
     def __init__(self, config, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device):
         c = config
-        self.dtype, self.kv_dtype = dtype, kv_dtype
-        self.n_layers, self.n_heads, self.n_kv = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        self.n_layers = c.num_hidden_layers
+        self.n_heads = c.num_attention_heads
+        self.n_kv = c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.eps, self.scale = c.rms_norm_eps, self.head_dim**-0.5  # the scale HF and SDPA use
-        self.top_k, self.norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
-        self.flip: tuple[float, torch.Generator] | None = (
-            None  # moe.sparse_block's expert flips (EmbeddedEngine moe_flip)
-        )
+        self.eps = c.rms_norm_eps
+        self.scale = self.head_dim**-0.5  # the scale HF and SDPA use
+        self.top_k = getattr(c, "num_experts_per_tok", 0)
+        self.norm_topk = getattr(c, "norm_topk_prob", False)
+        # moe.sparse_block's expert flips (EmbeddedEngine moe_flip)
+        self.flip: tuple[float, torch.Generator] | None = None
         # RoPE tables for every position, computed like HF (fp32 angles, then cast to the compute dtype).
-        D, theta = self.head_dim, c.rope_parameters["rope_theta"]
+        D = self.head_dim
+        theta = c.rope_parameters["rope_theta"]
         inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float) / D))
         freqs = torch.arange(c.max_position_embeddings).float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -170,7 +175,8 @@ class Decoder:
     def bind(self, store: dict[str, Tensor], tied: bool) -> None:
         """Per-layer weight tuples for the hot loop, from the store (rebound whenever the store moves)."""
         self.layers = [tuple(store.get(f"{i}.{k}") for k in LAYER_KEYS) for i in range(self.n_layers)]
-        self.embed, self.norm = store["embed"], store["norm"]
+        self.embed = store["embed"]
+        self.norm = store["norm"]
         self.lm_head = store["embed"] if tied else store["lm_head"]
 
     def forward(
@@ -191,9 +197,8 @@ class Decoder:
         H, K, D = self.n_heads, self.n_kv, self.head_dim
         cos, sin = self.cos[pos].unsqueeze(2), self.sin_signed[pos].unsqueeze(2)  # [B, S, 1, D]
         x = F.embedding(ids, self.embed)
-        for i, (ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, router, egu, edown) in enumerate(
-            self.layers
-        ):
+        for i, layer in enumerate(self.layers):
+            ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, router, egu, edown = layer
             qkv = F.linear(_rmsnorm(x, ln1, self.eps), qkv_w, qkv_b).view(B, S, H + 2 * K, D)
             qk, v = qkv[:, :, : H + K], qkv[:, :, H + K :]
             if qn is not None:  # Qwen3: RMSNorm over head_dim of each q and k head, before RoPE
@@ -205,8 +210,8 @@ class Decoder:
             v = v.transpose(1, 2)
             if self.kv_dtype != self.dtype:
                 # fp8 KV cache, scale 1.0 (dividing / multiplying by it is exact, so it is left out): round
-                # k and v through float8_e4m3fn here, so the prefill's attention (and EmbeddedEngine.logits(), which has no
-                # cache) sees what decode steps read back from the cache; the cache writes below are exact.
+                # k and v through float8_e4m3fn here, so the prefill's attention (and EmbeddedEngine.logits(), which
+                # has no cache) sees what decode steps read back from the cache; the cache writes below are exact.
                 k, v = k.to(self.kv_dtype).to(self.dtype), v.to(self.kv_dtype).to(self.dtype)
             if kv is not None:
                 k_cache, v_cache = kv[i]

@@ -100,14 +100,15 @@ class EmbeddedEngine:
             model_or_path = load_pretrained(AutoModelForCausalLM, model_or_path, "EmbeddedEngine", dtype=torch.float32)
         c = model_or_path.config
         check_arch(c)
-        self.config, self.dtype_name, self.dtype = c, dtype, DTYPES[dtype]
+        self.config = c
+        self.dtype_name = dtype
+        self.dtype = DTYPES[dtype]
         self.kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else self.dtype
-        self.device, self.max_batch_tokens = torch.device(device), max_batch_tokens
-        self.vocab_size, self.max_positions, self.tied = (
-            c.vocab_size,
-            c.max_position_embeddings,
-            bool(c.tie_word_embeddings),
-        )
+        self.device = torch.device(device)
+        self.max_batch_tokens = max_batch_tokens
+        self.vocab_size = c.vocab_size
+        self.max_positions = c.max_position_embeddings
+        self.tied = bool(c.tie_word_embeddings)
         self.lm = Decoder(c, self.dtype, self.kv_dtype, self.device)
         if not 0 <= moe_flip <= 1 or (moe_flip and not self.lm.top_k):
             raise ValueError(
@@ -120,10 +121,10 @@ class EmbeddedEngine:
                 "EmbeddedEngine: prefix_cache is not implemented for MoE models (a cached prefix "
                 "has no recorded routing)"
             )
-        self.prefix_cache, self.prefill_tokens = prefix_cache, 0
-        self._prefixes: dict[
-            tuple[int, ...], Tensor
-        ] = {}  # the last call's rows' ids -> their keys and values [L, 2, K, len, D]
+        self.prefix_cache = prefix_cache
+        self.prefill_tokens = 0
+        # the last call's rows' ids -> their keys and values [L, 2, K, len, D]
+        self._prefixes: dict[tuple[int, ...], Tensor] = {}
 
         # name -> (store key, row range within it); the store holds the fused, precision-transformed weights.
         parts: dict[str, list[tuple[int, str, Tensor]]] = {}
@@ -149,7 +150,8 @@ class EmbeddedEngine:
                 self._where[name] = (key, slice(row, row + t.size(0)))
                 row += t.size(0)
         self._kv: Tensor | None = None  # flat KV-cache buffer, allocated on first use, grown on demand
-        self._asleep = self._closed = False
+        self._asleep = False
+        self._closed = False
         self.lm.bind(self._store, self.tied)
 
     # ---- weights ---------------------------------------------------------------------------------
@@ -170,14 +172,15 @@ class EmbeddedEngine:
                     f"elements; {name!r} has shape {tuple(w.shape)}, whose input size "
                     f"{w.size(1)} is not a multiple of {INT4_GROUP_SIZE}"
                 )
-            t = (fake_quant_fp8 if kind == "fp8" else fake_quant_int4)(w).view(t.shape)
+            quantise = fake_quant_fp8 if kind == "fp8" else fake_quant_int4
+            t = quantise(w).view(t.shape)
         return t.to(self.dtype)
 
     def _view(self, name: str, caller: str, shape: torch.Size | None = None) -> Tensor:
         """The engine's copy of HF parameter `name`, checked against a full tensor's shape when given."""
-        key, rows = self._where.get(
-            "model.embed_tokens.weight" if name == "lm_head.weight" and self.tied else name, (None, None)
-        )
+        # a tied model's lm_head.weight is its embedding
+        held = "model.embed_tokens.weight" if name == "lm_head.weight" and self.tied else name
+        key, rows = self._where.get(held, (None, None))
         if key is None:
             raise ValueError(
                 f"{caller}: unknown parameter {name!r} (expected Hugging Face state_dict names, "
@@ -227,7 +230,8 @@ class EmbeddedEngine:
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
         released = (0 if self._kv is None else self._kv.nbytes) + sum(t.nbytes for t in self._prefixes.values())
-        self._kv, self._prefixes = None, {}
+        self._kv = None
+        self._prefixes = {}
         if cuda:
             self._store = {k: v.to("cpu") for k, v in self._store.items()}
             self.lm.bind(self._store, self.tied)  # drop the hot-loop references to the CUDA tensors too
@@ -246,7 +250,10 @@ class EmbeddedEngine:
 
     def shutdown(self) -> None:
         """Drop weights and cache; every later call raises."""
-        self._store, self.lm, self._kv, self._prefixes = {}, None, None, {}
+        self._store = {}
+        self.lm = None
+        self._kv = None
+        self._prefixes = {}
         self._closed = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -267,10 +274,12 @@ class EmbeddedEngine:
     def _cached(self, prompt: list[int], lengths: list[int]) -> Tensor | None:
         """The keys and values of the longest row of the last call (lengths: theirs, longest first) that a prompt
         extends by at least one token."""
-        return next(
-            (hit for n in lengths if n < len(prompt) and (hit := self._prefixes.get(tuple(prompt[:n]))) is not None),
-            None,
-        )
+        for n in lengths:
+            if n < len(prompt):
+                hit = self._prefixes.get(tuple(prompt[:n]))
+                if hit is not None:
+                    return hit
+        return None
 
     @torch.inference_mode()
     def logits(self, input_ids: Tensor) -> Tensor:
@@ -295,7 +304,8 @@ class EmbeddedEngine:
         """Sample sampling.n responses per prompt. Returns a Rollout with B = len(prompt_ids) * n rows."""
         self._check_ready("generate")
         check_request(prompt_ids, sampling, self.vocab_size, self.max_positions)
-        prompts, n = [list(p) for p in prompt_ids], sampling.n
+        prompts = [list(p) for p in prompt_ids]
+        n = sampling.n
         P = max(len(p) for p in prompts)
         if self.lm.flip:
             self.lm.flip[1].manual_seed(sampling.row_seed(0))
@@ -315,12 +325,10 @@ class EmbeddedEngine:
             ]
         )
         kept: dict[tuple[int, ...], Tensor] = {}
-        outs = [
-            self._generate_chunk(
-                prompts[i : i + per_chunk], sampling, u[i * n : (i + per_chunk) * n].to(self.device), P, kept
-            )
-            for i in range(0, len(prompts), per_chunk)
-        ]
+        outs = []
+        for i in range(0, len(prompts), per_chunk):
+            chunk_u = u[i * n : (i + per_chunk) * n].to(self.device)
+            outs.append(self._generate_chunk(prompts[i : i + per_chunk], sampling, chunk_u, P, kept))
         if self.prefix_cache:
             self._prefixes = kept
         ro = Rollout.from_ragged(
@@ -329,9 +337,8 @@ class EmbeddedEngine:
             [r for o in outs for r in o[2]],
             infer_logp=[lp for o in outs for lp in o[1]],
         )
-        if (
-            self.lm.top_k
-        ):  # a chunk's routing [b, P + its longest response, L, k], right-padded to to_batch's P + T columns
+        # MoE: a chunk's routing [b, P + its longest response, L, k], right-padded to to_batch's P + T columns
+        if self.lm.top_k:
             ro.routing = torch.cat(
                 [F.pad(o[3], (0, 0, 0, 0, 0, P + ro.tokens.size(1) - o[3].size(1)), value=-1) for o in outs]
             )
@@ -369,7 +376,8 @@ class EmbeddedEngine:
         """The chunk's left-padded prompts and masks. Left padding makes every row write its next token to the same
         cache slot; rope positions start at 0 at each row's first real token, as in the trainer's unpadded (or
         position_ids) forward."""
-        dev, K = self.device, self.lm.n_kv
+        dev = self.device
+        K = self.lm.n_kv
         B = len(prompts) * n
         lens = torch.tensor([len(p) for p in prompts])
         P = int(lens.max())
@@ -417,9 +425,8 @@ class EmbeddedEngine:
             attend = (key <= q_slot) & lay.valid[::n, None, :P] | (key == q_slot)  # a pad query sees itself, as above
             prefill_mask = self._additive(attend)
         self.prefill_tokens += sum(min(len(p), P - cut) for p in prompts)
-        h = self.lm.forward(
-            lay.ids[:, cut:].to(dev), lay.pos[::n, cut:P], prefill_mask, [(k[::n], v[::n]) for k, v in kv], cut, routes
-        )
+        first_rows = [(k[::n], v[::n]) for k, v in kv]  # each prompt's first sample's cache rows
+        h = self.lm.forward(lay.ids[:, cut:].to(dev), lay.pos[::n, cut:P], prefill_mask, first_rows, cut, routes)
         if n > 1:
             B = len(prompts) * n
             for cache in (c for pair in kv for c in pair):
@@ -431,7 +438,8 @@ class EmbeddedEngine:
         """Draw up to s.max_new_tokens tokens per row from the prefill's logits, one forward per step, until every row
         has stopped. Returns (tokens [B, T], log-probs [B, T], mask [B, T]: the response tokens, the stop token
         included, done [B]: the row stopped); an MoE's routing of each step goes into `steps`."""
-        dev, N = self.device, s.max_new_tokens
+        dev = self.device
+        N = s.max_new_tokens
         B, P = logits.size(0), lay.ids.size(1)
         stop = torch.tensor(s.stop_token_ids, dtype=torch.long, device=dev)
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)

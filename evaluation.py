@@ -17,9 +17,9 @@ from runlog import Metrics
 
 def rollouts(engine, tok, rows, s: Sampling, play):
     """s.n samples of each task row: a Rollout, or with a multi-turn task (play) agent.Episodes."""
-    return (
-        play(engine, rows.to_list(), s) if play else engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], s)
-    )
+    if play:
+        return play(engine, rows.to_list(), s)
+    return engine.generate([encode_prompt(tok, p) for p in rows["prompt"]], s)
 
 
 def scored(task, tok, rows, n: int, out, play) -> tuple[list, Scores]:
@@ -47,7 +47,8 @@ def evaluate(
     """
     n = samples
     ks = [2**i for i in range(n.bit_length()) if 2**i <= n] if n > 1 else []
-    m, records = Metrics(), []
+    m = Metrics()
+    records = []
     m.add_ratio("eval/greedy_acc", 0, 0)  # every rank holds the keys (no problem anywhere: NaN)
     m.add_ratio("eval/sampled_acc", 0, 0)
     if engine is not None:
@@ -61,6 +62,7 @@ def evaluate(
             texts, sc = scored(task, tok, test, k, rollouts(engine, tok, test, s, play), play)
             r = sc.rewards * sc.rewarded  # None counts as 0
             m.add_ratio(f"eval/{kind}_acc", r.sum(), len(r))
+            # the reward's extra keys first: a key named like ours is overwritten
             records += [
                 {
                     **sc.extras[i],
@@ -73,18 +75,16 @@ def evaluate(
                     "reward": sc.rewards[i].item() if sc.rewarded[i] else None,
                 }
                 for i, t in enumerate(texts)
-            ]  # the reward's extra keys first: a key named like ours is overwritten
+            ]
             if kind == "sampled" and ks:
                 R = r.view(-1, n).tolist()
                 preds = [e.get("pred") for e in sc.extras]
                 m.add_ratio("eval/has_pred", any("pred" in e for e in sc.extras), 1)
                 for kk in ks:
-                    m.add_ratio(f"eval/pass@{kk}", sum(pass_at_k(n, sum(x > 0 for x in row), kk) for row in R), len(R))
-                    m.add_ratio(
-                        f"eval/maj@{kk}",
-                        sum(majority_correct(preds[p * n : (p + 1) * n], R[p], kk) for p in range(len(R))),
-                        len(R),
-                    )
+                    passed = sum(pass_at_k(n, sum(x > 0 for x in row), kk) for row in R)
+                    m.add_ratio(f"eval/pass@{kk}", passed, len(R))
+                    majority = sum(majority_correct(preds[p * n : (p + 1) * n], R[p], kk) for p in range(len(R)))
+                    m.add_ratio(f"eval/maj@{kk}", majority, len(R))
     out = m.reduce()
     if ks:
         out[f"eval/mean@{n}"] = out["eval/sampled_acc"]
@@ -93,7 +93,8 @@ def evaluate(
     if dist.is_initialized():
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(records, parts, dst=0)
-        records = (
-            sorted((r for p in parts for r in p), key=lambda r: (r["kind"], r["problem"], r["sample"])) if parts else []
-        )
+        if parts:
+            records = sorted((r for p in parts for r in p), key=lambda r: (r["kind"], r["problem"], r["sample"]))
+        else:
+            records = []
     return out, records

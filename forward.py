@@ -58,10 +58,10 @@ def head_replaced(model, fn):
 def sequences(b: TrainBatch, rows):
     """The forward's inputs for rows (whole groups, in order, when the batch shares prefixes: TrainBatch.shared)."""
     n = b.group
-    if n > 1 and (
-        len(rows) % n or (rows[::n] % n).any() or not torch.equal(rows, (rows[::n, None] + torch.arange(n)).reshape(-1))
-    ):
-        raise ValueError(f"rows {rows.tolist()} are not whole groups of {n}")
+    if n > 1:
+        groups = (rows[::n, None] + torch.arange(n)).reshape(-1)  # each group start with its n - 1 followers
+        if len(rows) % n or (rows[::n] % n).any() or not torch.equal(rows, groups):
+            raise ValueError(f"rows {rows.tolist()} are not whole groups of {n}")
     sel = rows[::n] // n
     return {"input_ids": b.input_ids[sel], "attention_mask": b.attention_mask[sel], "position_ids": b.position_ids[sel]}
 

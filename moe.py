@@ -87,7 +87,8 @@ def sparse_block(
         top, idx = (torch.cat([x[:, : k - 1], torch.where(hit, x[:, k:], x[:, k - 1 : k])], -1) for x in (top, idx))
     if norm:
         top = top / top.sum(-1, keepdim=True)
-    top, out = top.to(flat.dtype), torch.zeros_like(flat)
+    top = top.to(flat.dtype)
+    out = torch.zeros_like(flat)
     for e in idx.unique().tolist():
         tok, slot = torch.where(idx == e)
         gate, up = F.linear(flat[tok], w1[e]).chunk(2, dim=-1)
@@ -117,7 +118,8 @@ def install(model: nn.Module) -> nn.Module:
     """Give every router of ``model`` the recording / replaying forward (numerically the HF one without replay)."""
     for b in blocks(model):
         b.gate.forward = types.MethodType(_route, b.gate)
-        b.gate._chosen, b.gate._replay = None, None
+        b.gate._chosen = None
+        b.gate._replay = None
     return model
 
 
@@ -204,7 +206,8 @@ class _ReduceFromTP(torch.autograd.Function):
 def _local_experts(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """Qwen3MoeExperts.forward over this rank's experts, summed over the tp ranks (the HF loop: experts in order)."""
     w1, w2 = self.gate_up_proj.to_local(), self.down_proj.to_local()
-    group, first = self._tp_group, self._first_expert
+    group = self._tp_group
+    first = self._first_expert
     x, w = _CopyToTP.apply(hidden_states, group), _CopyToTP.apply(top_k_weights, group)
     out = torch.zeros_like(x)
     for e in range(w1.size(0)):
@@ -227,8 +230,8 @@ def shard_experts(model: nn.Module, tp_mesh) -> None:
             raise ValueError(f"tensor parallelism: num_experts={ex.num_experts} is not divisible by tp={tp}")
         for name in ("gate_up_proj", "down_proj"):
             p = getattr(ex, name)
-            setattr(
-                ex, name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Shard(0)]), requires_grad=p.requires_grad)
-            )
-        ex._tp_group, ex._first_expert = tp_mesh.get_group(), tp_mesh.get_local_rank() * (ex.num_experts // tp)
+            sharded = distribute_tensor(p.data, tp_mesh, [Shard(0)])
+            setattr(ex, name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+        ex._tp_group = tp_mesh.get_group()
+        ex._first_expert = tp_mesh.get_local_rank() * (ex.num_experts // tp)
         ex.forward = types.MethodType(_local_experts, ex)

@@ -33,10 +33,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from moe import is_moe, shard_experts
 
-# The models the project implements (the TP plan, embedded_engine.EmbeddedEngine's forward pass, the critic): Hugging Face
-# model_type -> class-name prefix. The plan below relies on their module names and on their attention reshaping with
-# ``view(*shape, -1, head_dim)``, which makes a rank's q/k/v projection output read as its local heads. Qwen3-MoE's
-# experts are placed per rank (moe.shard_experts).
+# The models the project implements (the TP plan, embedded_engine.EmbeddedEngine's forward pass, the critic): Hugging
+# Face model_type -> class-name prefix. The plan below relies on their module names and on their attention reshaping
+# with ``view(*shape, -1, head_dim)``, which makes a rank's q/k/v projection output read as its local heads.
+# Qwen3-MoE's experts are placed per rank (moe.shard_experts).
 SUPPORTED_MODELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
 _TP_CLASSES = tuple(
     f"{prefix}For{head}" for prefix in SUPPORTED_MODELS.values() for head in ("CausalLM", "TokenClassification")
@@ -66,9 +66,8 @@ def init_runtime() -> Runtime:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         return Runtime(rank=0, world_size=1, local_rank=0, device=device, distributed=False)
     rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if (
-        sys.platform == "linux"
-    ):  # die with the torchrun agent: a kill -9 of it must not leave workers writing into the run
+    # die with the torchrun agent: a kill -9 of it must not leave workers writing into the run
+    if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -92,7 +91,9 @@ class Preemption:
     pretraining: nothing is saved then), and SIGINT (Ctrl-C) stop at once, as without the handler."""
 
     def __init__(self):
-        self.armed = self.requested = self.stopped = False
+        self.armed = False
+        self.requested = False
+        self.stopped = False
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -248,7 +249,8 @@ def full_weights(model: nn.Module, bucket_bytes: int = 64 << 20) -> Iterator[lis
     memory is one bucket. Sharded weights are all-gathered (a collective): every TP rank must run this
     generator to the end, in lock-step, and all get the same full tensors.
     """
-    bucket, size, seen = [], 0, set()
+    bucket, size = [], 0
+    seen = set()
     # keep_vars=True returns the Parameter objects themselves, so a tie shows up as the same object twice;
     # the embedding comes first in HF's module order, so the tied lm_head.weight is the one skipped.
     for name, t in model.state_dict(keep_vars=True).items():
@@ -327,7 +329,8 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float) -> Tensor:
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.zeros(())
-    meshes = {}  # DTensor gradients by mesh (with --fsdp and TP: 2-D for sharded weights, 1-D dp for the rest), then plain
+    # DTensor gradients by mesh (with --fsdp and TP: 2-D for sharded weights, 1-D dp for the rest), then plain
+    meshes = {}
     for p in params:
         meshes.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     groups = list(meshes.values())

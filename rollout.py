@@ -83,9 +83,8 @@ class TrainBatch(NamedTuple):
     or after ``shared(n)`` one per group of n rows: the group's prompt once, then its n responses one after another."""
 
     input_ids: Tensor  # [B, P + T] long: left-padded prompt, response, right padding (shared: [B / n, P + n T])
-    attention_mask: (
-        Tensor  # [B, P + T] long: 1 on prompt and response tokens (shared: [B / n, 1, S, S] bool, True = attend)
-    )
+    # [B, P + T] long: 1 on prompt and response tokens (shared: [B / n, 1, S, S] bool, True = attend)
+    attention_mask: Tensor
     position_ids: Tensor  # [B, P + T] long: 0 at each row's first real token (what the engine used)
     response_start: int  # P: column of the first response token in every row
     keep: Tensor  # [T] (shared: [n T]) long: the columns whose hidden states predict the response tokens, row by row
@@ -96,7 +95,8 @@ class TrainBatch(NamedTuple):
         """Each group of n consecutive rows (one prompt's samples) as one sequence: the prompt's P columns, then the n
         responses' T columns each. Response i attends the prompt and its own earlier tokens only (a block mask; SDPA),
         at the positions of its own row, so every output equals the per-row batch's; the prompt is computed once."""
-        (B, S), P = self.input_ids.shape, self.response_start
+        B, S = self.input_ids.shape
+        P = self.response_start
         T, G = S - P, B // n
         ids, am, pos = (x[: G * n].view(G, n, S) for x in (self.input_ids, self.attention_mask, self.position_ids))
         if B % n or not ((ids[:, :, :P] == ids[:, :1, :P]) & (am[:, :, :P] == am[:, :1, :P])).all():
@@ -164,9 +164,8 @@ class Rollout:
         real = pad([torch.ones(len(t), dtype=torch.bool) for t in tokens], torch.bool)
         logp = torch.zeros(toks.shape) if infer_logp is None else pad(infer_logp, torch.float32)
         mask = real if model is None else pad(model, torch.bool)
-        return cls(
-            toks, logp, mask, [list(p) for p in prompt_ids], list(finish_reasons), None if model is None else real
-        )
+        attend = None if model is None else real
+        return cls(toks, logp, mask, [list(p) for p in prompt_ids], list(finish_reasons), attend)
 
     def to_batch(self, pad_id: int = 0) -> TrainBatch:
         """Left-padded prompt + response per row, pad_id elsewhere. Returns TrainBatch (tensors on CPU). The
@@ -182,9 +181,8 @@ class Rollout:
         input_ids[:, P:] = torch.where(real, self.tokens.cpu(), pad_id)
         attention_mask[:, P:] = real.long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        return TrainBatch(
-            input_ids, attention_mask, position_ids, P, torch.arange(P - 1, P + T - 1), routing=self.routing
-        )
+        keep = torch.arange(P - 1, P + T - 1)  # response token t <- the column before it
+        return TrainBatch(input_ids, attention_mask, position_ids, P, keep, routing=self.routing)
 
 
 def check_request(prompt_ids, sampling: Sampling, vocab_size: int, context_len: int) -> None:
@@ -194,7 +192,8 @@ def check_request(prompt_ids, sampling: Sampling, vocab_size: int, context_len: 
         raise TypeError(f"generate: sampling must be a Sampling, got {type(sampling).__name__}")
     if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
         raise ValueError("generate: prompt_ids must be a non-empty list of token-id lists")
-    longest, V = context_len - sampling.max_new_tokens, vocab_size
+    longest = context_len - sampling.max_new_tokens
+    V = vocab_size
     for i, p in enumerate(prompt_ids):
         if not isinstance(p, (list, tuple)) or len(p) == 0:
             raise ValueError(f"generate: prompt {i} is empty (or not a list of token ids): {p!r}")
@@ -235,7 +234,6 @@ class Engine(Protocol):
 # ----------------------------------------------------------------------------- the trainer's side: weight sync
 
 
-# Share of each GPU that SGLang reserves for weights + KV cache when colocated with the trainer.
 def push_weights(policy, engine: Engine | None) -> None:
     """One stream of (hf_name, full tensor), gathered bucket by bucket; the engine re-buckets and flushes its cache
     once at the end. TP peers without an engine (None) still run the all-gathers."""

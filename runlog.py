@@ -66,7 +66,11 @@ class Metrics:
         keys = sorted(self.values)
 
         def pick(k, v):
-            return v.max() if k.endswith("_max") else v.min() if k.endswith("_min") else v.mean()
+            if k.endswith("_max"):
+                return v.max()
+            if k.endswith("_min"):
+                return v.min()
+            return v.mean()
 
         vals = torch.stack([pick(k, torch.stack(self.values[k])) for k in keys]) if keys else torch.zeros(0)
         ratio_keys = sorted(self.ratios)
@@ -89,11 +93,10 @@ class Metrics:
         ratios = [float(torch.tensor(t / c if c else float("nan"), dtype=torch.float32)) for t, c in sums.tolist()]
         # Summed before the division: the EV of the global batch (a rank without a key adds zeros, no token).
         no_token = torch.zeros(5, dtype=torch.float64)
-        stats = (
-            torch.stack([self.evs.get(k, no_token) for k in ev_keys])
-            if ev_keys
-            else torch.zeros(0, 5, dtype=torch.float64)
-        )
+        if ev_keys:
+            stats = torch.stack([self.evs.get(k, no_token) for k in ev_keys])
+        else:
+            stats = torch.zeros(0, 5, dtype=torch.float64)
         if dist.is_initialized() and ev_keys:
             dist.all_reduce(stats)
         evs = losses.ev_from_stats(stats).tolist()
@@ -103,7 +106,8 @@ class Metrics:
 @contextlib.contextmanager
 def timed(m: Metrics, name: str):
     """The phase's seconds as time/<name>; on CUDA also its peak allocated GiB as mem/<name>_gib_max."""
-    if cuda := torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     yield
@@ -132,8 +136,12 @@ class RunLog:
         """changes: the options (and inputs) a resume changed, {name: [old, new]}; config.json keeps a list of them
         ("resumes"). inputs: the run's input fingerprints (checkpoint.input_fingerprints), recorded for the next resume
         to compare."""
-        self.dir, self.rank, self.history = out_dir, rank, []
-        self.writers, self.wandb, self.bar = [], wandb, None
+        self.dir = out_dir
+        self.rank = rank
+        self.history = []
+        self.writers = []
+        self.wandb = wandb
+        self.bar = None
         if rank != 0:
             return
         os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
@@ -169,15 +177,12 @@ class RunLog:
     def log(self, row: dict) -> None:
         if self.rank != 0:
             return
-        if (
-            "mismatch/k3" in row and "pretrain/step" not in row
-        ):  # k3's trend over the last K3_SLOPE_WINDOW steps (issue: collapse)
-            ks = [r["mismatch/k3"] for r in self.history if "mismatch/k3" in r and "pretrain/step" not in r][
-                1 - K3_SLOPE_WINDOW :
-            ]
-            row.update(
-                {"mismatch/k3_slope": losses.window_slope(ks + [row["mismatch/k3"]])} if ks else {}
-            )  # from the 2nd step
+        # k3's trend over the last K3_SLOPE_WINDOW steps (issue: collapse), from the 2nd step
+        if "mismatch/k3" in row and "pretrain/step" not in row:
+            earlier = [r["mismatch/k3"] for r in self.history if "mismatch/k3" in r and "pretrain/step" not in r]
+            ks = earlier[1 - K3_SLOPE_WINDOW :]
+            if ks:
+                row["mismatch/k3_slope"] = losses.window_slope(ks + [row["mismatch/k3"]])
         self.history.append(row)
         with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -217,10 +222,8 @@ class RunLog:
             def cell(v):
                 return v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v, default=repr)
 
-            wb.log(
-                {"eval/samples": wb.Table(columns=columns, data=[[cell(r.get(c)) for c in columns] for r in records])},
-                step=step,
-            )
+            table = wb.Table(columns=columns, data=[[cell(r.get(c)) for c in columns] for r in records])
+            wb.log({"eval/samples": table}, step=step)
 
     def plot(self) -> None:
         """One PNG per panel, redrawn from the whole history; one family of quantities (one unit) per axis."""
@@ -303,9 +306,8 @@ class RunLog:
 def _git_revision() -> str:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(
-            ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

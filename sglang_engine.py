@@ -71,10 +71,8 @@ from rollout import Rollout, Sampling, check_request
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-SGLANG_KV_CACHE_DTYPES = {
-    "auto": "auto",
-    "fp8": "fp8_e4m3",
-}  # embedded_engine.EmbeddedEngine's kv_cache_dtype -> SGLang's
+# embedded_engine.EmbeddedEngine's kv_cache_dtype -> SGLang's
+SGLANG_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3"}
 # SGLang turns temperature below this into greedy sampling (sglang/srt/sampling/sampling_params.py:245),
 # whose returned log-prob is at temperature 1: refuse rather than return the wrong log-prob.
 SGLANG_GREEDY_TEMPERATURE = 1e-6
@@ -131,7 +129,8 @@ class SGLangEngine:
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.eos_ids = _model_eos_ids(model_path, config)
         self.shapes = _checkpoint_shapes(model_path)
-        self.dtype, self.bucket_bytes = DTYPES[dtype], bucket_bytes
+        self.dtype = DTYPES[dtype]
+        self.bucket_bytes = bucket_bytes
 
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         args = dict(
@@ -163,7 +162,8 @@ class SGLangEngine:
 
         with _environment(env):  # the spawned processes copy the environment at start
             self._engine = sglang.Engine(**args)
-        self._asleep = self._closed = False
+        self._asleep = False
+        self._closed = False
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -201,7 +201,8 @@ class SGLangEngine:
         stop = set(sampling.stop_token_ids)
         toks, logps, reasons = [], [], []
         for r, out in enumerate(outs):
-            meta, ids = out["meta_info"], out["output_ids"]
+            meta = out["meta_info"]
+            ids = out["output_ids"]
             kind = meta["finish_reason"]["type"]
             if kind not in ("stop", "length"):
                 raise RuntimeError(f"SGLangEngine.generate: SGLang ended row {r} with {meta['finish_reason']}")
@@ -213,7 +214,8 @@ class SGLangEngine:
                 raise RuntimeError(f"SGLangEngine.generate: row {r} has {len(ids)} tokens but {len(logp)} log-probs")
             cut = next((i + 1 for i, t in enumerate(ids) if t in stop), None)  # the stop token stays in
             if cut is not None:
-                ids, logp, kind = ids[:cut], logp[:cut], "stop"
+                ids, logp = ids[:cut], logp[:cut]
+                kind = "stop"
             toks.append(ids)
             logps.append(logp)
             reasons.append(kind)
@@ -267,9 +269,9 @@ class SGLangEngine:
     def _buckets(self, named_tensors: Iterable[tuple[str, Tensor]]):
         """Checked copies in the engine dtype, grouped into lists of about bucket_bytes."""
         bucket, size = [], 0
-        for name, t in (
-            pair for named in named_tensors for pair in checkpoint_tensors(*named)
-        ):  # MoE: experts one by one
+        # MoE: experts one by one
+        pairs = (pair for named in named_tensors for pair in checkpoint_tensors(*named))
+        for name, t in pairs:
             if name == "lm_head.weight" and self.tied:
                 continue  # the embedding itself; SGLang skips it too
             self._check_weight(name, t)

@@ -61,7 +61,10 @@ def parse_tool_calls(
         text = text.replace("<|observation|>", "")
     for body in _BLOCK.findall(text):
         call = _hermes(body) if parser == "hermes" else _glm(body, schemas or [])
-        (calls if isinstance(call, ToolCall) else errors).append(call)
+        if isinstance(call, ToolCall):
+            calls.append(call)
+        else:
+            errors.append(call)
     rest = _BLOCK.sub("", text)
     if _UNCLOSED.search(rest):
         errors.append("a <tool_call> block is not closed with </tool_call>")
@@ -96,14 +99,11 @@ def _glm(body: str, schemas: list[dict]) -> ToolCall | str:
     pairs = _GLM_ARG.findall(rest)
     if _GLM_ARG.sub("", rest).strip():
         return f"the tool call's arguments are not <arg_key>k</arg_key><arg_value>v</arg_value> pairs: {body.strip()[:200]!r}"
-    props = next(
-        (
-            s["function"].get("parameters", {}).get("properties", {})
-            for s in schemas
-            if s.get("function", {}).get("name") == name
-        ),
-        {},
-    )
+    props = {}  # the called tool's parameter schemas, from the first schema of that name
+    for s in schemas:
+        if s.get("function", {}).get("name") == name:
+            props = s["function"].get("parameters", {}).get("properties", {})
+            break
     args = {}
     for k, v in pairs:
         k = k.strip()
@@ -160,10 +160,8 @@ def tool_schemas(env_cls, where: str = "the environment") -> list[dict]:
     return out
 
 
-STOP_TOKENS = {
-    "hermes": (),
-    "glm": ("<|observation|>", "<|user|>"),
-}  # besides EOS, the tokens a turn in that format ends at
+# besides EOS, the tokens a turn in that format ends at
+STOP_TOKENS = {"hermes": (), "glm": ("<|observation|>", "<|user|>")}
 
 
 @dataclass(frozen=True)
@@ -196,7 +194,8 @@ def stop_ids(tok, env_cls=None) -> tuple[int, ...]:
     format that the tokenizer has."""
     extra = STOP_TOKENS[env_cls.parser] if getattr(env_cls, "tools", None) is not None else ()
     vocab = tok.get_vocab() if extra else {}
-    return (tok.eos_token_id, *dict.fromkeys(vocab[t] for t in extra if t in vocab and vocab[t] != tok.eos_token_id))
+    ids = dict.fromkeys(vocab[t] for t in extra if t in vocab and vocab[t] != tok.eos_token_id)
+    return (tok.eos_token_id, *ids)
 
 
 class ToolEpisode:
@@ -225,7 +224,9 @@ class ToolEpisode:
     names: list[str]  # the tools' names, in that order
 
     def __init__(self):
-        self.env, self.turns, self.ran = self._user("()", self.cls), 0, 0
+        self.env = self._user("()", self.cls)
+        self.turns = 0
+        self.ran = 0
         self.stats = {"calls": 0, "errors": 0, "seconds": 0.0, "task_reward": 0.0, "env_reward": 0.0, "turn_limit": 0}
 
     def reset(self, row: dict) -> str:
@@ -247,9 +248,8 @@ class ToolEpisode:
         if (not calls and not errors) or self.turns >= self.max_turns:
             self.stats["turn_limit"] = int(bool(calls or errors))
             return None, self._final(answer), True
-        out = [self._call(call, i) for i, call in enumerate(calls)] + [
-            (False, f"error: {e}") for e in errors
-        ]  # (ran, answer)
+        # (ran, answer)
+        out = [self._call(call, i) for i, call in enumerate(calls)] + [(False, f"error: {e}") for e in errors]
         self.stats["calls"] += len(out)
         self.stats["errors"] += sum(not ok for ok, _ in out)
         return [{"role": "tool", "content": r} for _, r in out], 0.0, False
@@ -279,7 +279,8 @@ class ToolEpisode:
             )
         if call.name not in self.names:
             return False, f"error: there is no tool {call.name!r} (the tools: {', '.join(self.names)})"
-        self.ran, t = self.ran + 1, time.perf_counter()
+        self.ran += 1
+        t = time.perf_counter()
         fn = getattr(self.env, call.name)
         try:  # a lambda: an argument named like call_user's own (timeout) reaches the tool
             result = self._user(
@@ -309,8 +310,12 @@ class ToolEpisode:
             ) from None
 
     def _final(self, answer: str) -> float:
-        task = (self.score(answer, self.row) or 0.0) if self.score else 0.0  # score runs the reward under its own limit
-        env = self._user(".get_reward", self.env.get_reward) if callable(getattr(self.env, "get_reward", None)) else 0.0
+        task = 0.0
+        if self.score:
+            task = self.score(answer, self.row) or 0.0  # score runs the reward under its own limit
+        env = 0.0
+        if callable(getattr(self.env, "get_reward", None)):
+            env = self._user(".get_reward", self.env.get_reward)
         if not (isinstance(env, (int, float)) and not isinstance(env, bool) and math.isfinite(env)):
             raise RuntimeError(f"{self.cls.__name__}.get_reward returned {env!r}; it must return a finite number")
         self.stats.update(task_reward=float(task), env_reward=float(env))
@@ -352,9 +357,16 @@ def tool_env(
         "names": [s["function"]["name"] for s in schemas],
         "__doc__": cls.__doc__,
     }
+
+    def passed_on(hook):  # the ToolEpisode method that calls the class's hook through _user
+        def method(self, *args):
+            return self._user(f".{hook}", getattr(self.env, hook), *args)
+
+        return method
+
     for hook in ("reseed", "critic_context"):
         if callable(getattr(cls, hook, None)):
-            attrs[hook] = (lambda h: lambda self, *a: self._user(f".{h}", getattr(self.env, h), *a))(hook)
+            attrs[hook] = passed_on(hook)
     return type(cls.__name__, (ToolEpisode,), attrs)
 
 
@@ -479,8 +491,6 @@ def python(code: str, limits: PythonLimits = PythonLimits()) -> str:
         text += f"\n(killed by signal {signal.Signals(-proc.returncode).name}: a resource limit)"
     elif proc.returncode:
         text += f"\n(exit code {proc.returncode})"
-    return (
-        text
-        if len(text) <= limits.output_chars
-        else text[: limits.output_chars] + f"\n... ({len(text) - limits.output_chars} more characters cut)"
-    )
+    if len(text) <= limits.output_chars:
+        return text
+    return text[: limits.output_chars] + f"\n... ({len(text) - limits.output_chars} more characters cut)"

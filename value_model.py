@@ -102,7 +102,8 @@ def set_head_to_mean(critic: PreTrainedModel, total: Tensor, count: Tensor) -> N
 
 # Critic pretraining stops once the mean explained variance of the last PLATEAU_WINDOW steps is less than
 # PLATEAU_MIN_GAIN above that of the window before (windows smooth the per-batch noise of 64-row EVs).
-PLATEAU_WINDOW, PLATEAU_MIN_GAIN = 10, 0.01
+PLATEAU_WINDOW = 10
+PLATEAU_MIN_GAIN = 0.01
 
 
 def finite_mean(xs: list[float]) -> float:
@@ -162,9 +163,8 @@ def critic_batch(ro: Rollout, prefixes: list[list[int]], pad_id: int, n: int = 1
     which give the same values. MoE routing is dropped (the critic never replays it)."""
     if len(prefixes) != len(ro.prompt_ids):
         raise ValueError(f"critic_batch: {len(prefixes)} prefixes for {len(ro.prompt_ids)} rows")
-    tb = replace(ro, prompt_ids=[list(c) + list(p) for c, p in zip(prefixes, ro.prompt_ids)], routing=None).to_batch(
-        pad_id
-    )
+    prompts = [list(c) + list(p) for c, p in zip(prefixes, ro.prompt_ids)]
+    tb = replace(ro, prompt_ids=prompts, routing=None).to_batch(pad_id)
     same = all(prefixes[b] == prefixes[b - b % n] for b in range(len(prefixes)))
     return tb.shared(n) if n > 1 and same else tb
 
@@ -181,21 +181,18 @@ class PromptBaseline:
     KEYS = "prompt"  # what the table's keys are, saved beside it: a checkpoint keyed otherwise (row indices) is refused
 
     def __init__(self, window: int, table: dict | None = None, keys: list[int] | None = None):
-        self.window, self.keys = (
-            window,
-            keys,
-        )  # keys: each train row's prompt key (data.tasks.prompt_keys), for the caller
+        self.window = window
+        self.keys = keys  # each train row's prompt key (data.tasks.prompt_keys), for the caller
         self.table = {int(p): [float(r) for r in rs][-window:] for p, rs in (table or {}).items()}
 
     def lookup(self, prompts: list[int]) -> tuple[Tensor, Tensor]:
         """(past [N, window] float64, right-padded with 0; count [N] long): each prompt's rewards so far."""
-        past, count = (
-            torch.zeros(len(prompts), self.window, dtype=torch.float64),
-            torch.zeros(len(prompts), dtype=torch.long),
-        )
+        past = torch.zeros(len(prompts), self.window, dtype=torch.float64)
+        count = torch.zeros(len(prompts), dtype=torch.long)
         for i, p in enumerate(prompts):
             h = self.table.get(int(p), [])
-            past[i, : len(h)], count[i] = torch.tensor(h, dtype=torch.float64), len(h)
+            past[i, : len(h)] = torch.tensor(h, dtype=torch.float64)
+            count[i] = len(h)
         return past, count
 
     def update(self, prompts: list[int], rewards: list[float]) -> None:
@@ -221,9 +218,8 @@ class PromptBaseline:
         mean reward of the global batch's samples. Then the (prompt, reward) pairs of every rank, one per sample in the
         global batch's order (rank by rank), are all-reduced over `group` and appended (losses.running_mean_advantages)."""
         pairs = torch.zeros(ranks, samples, 3, dtype=torch.float64, device=rewards.device)
-        pairs[rank, sample] = torch.stack(
-            [prompts.to(pairs), rewards.to(pairs), valid.to(pairs)], -1
-        )  # an episode's rows agree
+        # an episode's rows agree
+        pairs[rank, sample] = torch.stack([prompts.to(pairs), rewards.to(pairs), valid.to(pairs)], -1)
         pairs = all_reduce(pairs, group).view(-1, 3)
         ok = pairs[:, 2] > 0
         mean = pairs[ok, 1].mean() if ok.any() else pairs.new_zeros(())

@@ -87,7 +87,9 @@ def mc_values(engine, tok, task, rows, out, sampling: Sampling, *, k: int, every
     B, T = ro.mask.shape
     resp = [t[m].tolist() for t, m in zip(ro.tokens, ro.mask)]
     columns = reward_columns(rows, sampling.n)  # per rollout row
-    values, states, extra = torch.zeros(B, T), torch.zeros(B, T, dtype=torch.bool), 0
+    values = torch.zeros(B, T)
+    states = torch.zeros(B, T, dtype=torch.bool)
+    extra = 0
     most = -(-sampling.max_new_tokens // every)  # states a row can have
     for t in range(0, T, every):
         live = [b for b in range(B) if len(resp[b]) > t]
@@ -121,9 +123,11 @@ def _episode_values(engine, play, ep: Episodes, sampling: Sampling, k: int, ever
         for i in range(k)
     ]
     cont = play(engine, [], sampling, starts=starts)
-    values, states = torch.zeros(ep.rollout.mask.shape), torch.zeros(ep.rollout.mask.shape, dtype=torch.bool)
+    values = torch.zeros(ep.rollout.mask.shape)
+    states = torch.zeros(ep.rollout.mask.shape, dtype=torch.bool)
     for (b, st), ret in zip(plan, cont.returns.view(-1, k).mean(-1).tolist()):
-        values[b, len(st.tokens)], states[b, len(st.tokens)] = ret - st.ret, True
+        values[b, len(st.tokens)] = ret - st.ret
+        states[b, len(st.tokens)] = True
     return Values(values, states, int(cont.rollout.mask.sum()) - sum(sum(st.model) for st in starts))
 
 

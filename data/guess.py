@@ -56,7 +56,8 @@ class GuessTools:
     its turn budget is one more (MAX_TURNS + 1)."""
 
     def reset(self, **row) -> None:
-        self.secret, self.found = int(row["answer"]), False
+        self.secret = int(row["answer"])
+        self.found = False
 
     def guess(self, n: int) -> str:
         """Guess the secret number.
@@ -84,7 +85,9 @@ def guess_rows(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_ran
     def rows(pool, n):
         return [(f"guess {lo}-{hi}", str(rng.randint(lo, hi))) for lo, hi in (rng.choice(pool) for _ in range(n))]
 
-    test, train = rows(ranges[:cut], n_test), rows(ranges[cut:], n_train)
+    # the test rows draw from rng first, then the train rows
+    test = rows(ranges[:cut], n_test)
+    train = rows(ranges[cut:], n_train)
     return train, test
 
 

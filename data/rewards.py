@@ -60,7 +60,8 @@ def extract_answer(text: str) -> str | None:
     number (commas between digit groups removed), else None."""
     start = text.rfind("\\boxed{")
     if start >= 0:
-        depth, i = 0, start + len("\\boxed")
+        depth = 0
+        i = start + len("\\boxed")
         for j in range(i, len(text)):
             depth += {"{": 1, "}": -1}.get(text[j], 0)
             if depth == 0:
@@ -96,7 +97,8 @@ def _verify(mv, answer: str, pred: str) -> tuple[bool, bool]:
             late = True
             return failed
 
-    gold, target = attempt(mv.parse, f"${answer}$", failed=[]), attempt(mv.parse, f"${pred}$", failed=[])
+    gold = attempt(mv.parse, f"${answer}$", failed=[])
+    target = attempt(mv.parse, f"${pred}$", failed=[])
     return any(attempt(mv.verify, g, t, failed=False) for g, t in itertools.product(gold, target)), late
 
 
@@ -182,7 +184,8 @@ class UserCodeError(RuntimeError):
 
     def __init__(self, what: str, why: str):
         super().__init__(f"{what} {why}")
-        self.what, self.why = what, why
+        self.what = what
+        self.why = why
 
 
 class UserTimeout(UserCodeError):
@@ -195,7 +198,8 @@ class _Worker:
     call does not keep the process from exiting (concurrent.futures joins its workers at exit: a hang would hang it)."""
 
     def __init__(self, depth: int):
-        self.pid, self.jobs = os.getpid(), queue.SimpleQueue()
+        self.pid = os.getpid()
+        self.jobs = queue.SimpleQueue()
         t = threading.Thread(target=self._loop, name=f"user-code-{depth}", daemon=True)
         t.user_depth = depth  # user code it runs that calls user code (a tool environment's step calling a tool) nests
         t.start()
@@ -227,7 +231,8 @@ def call_user(fn: Callable, *args, timeout: float, what: str, flag: str = "--use
         worker = _workers.get(depth)
         if worker is None or worker.pid != os.getpid():  # a forked child has the object but not the thread
             worker = _workers[depth] = _Worker(depth + 1)
-        box, done = [], threading.Event()
+        box = []
+        done = threading.Event()
         worker.jobs.put((fn, args, kw, box, done))
         if not done.wait(timeout):
             del _workers[depth]  # the thread stays in the hung call; the next call gets a new one
@@ -280,15 +285,18 @@ def check_reward(fn: Callable, columns: list[str]) -> None:
     def takes(n):
         return n in ps and ps[n].kind in (ps[n].POSITIONAL_OR_KEYWORD, ps[n].KEYWORD_ONLY)
 
-    if not ps or next(iter(ps.values())).kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD):
-        error = "it takes no positional argument (the completions)"
-    elif not var_kw and (no := [n for n in names if not takes(n)]):
-        error = f"it has no parameter {no[0]!r} and no **kwargs"
-    elif need := [
+    no = [n for n in names if not takes(n)]  # columns it has no parameter for
+    # parameters after the completions that no column fills
+    need = [
         n
         for n, p in list(ps.items())[1:]
         if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in names
-    ]:
+    ]
+    if not ps or next(iter(ps.values())).kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD):
+        error = "it takes no positional argument (the completions)"
+    elif not var_kw and no:
+        error = f"it has no parameter {no[0]!r} and no **kwargs"
+    elif need:
         error = f"it needs {need[0]!r}, which is no column of the data"
     name = getattr(fn, "__qualname__", repr(fn))
     raise ValueError(
@@ -349,19 +357,20 @@ def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
         rewards = call(range(len(completions)), limit)
     except Exception as e:
         deadline = time.monotonic() + (limit or math.inf)
+        in_batch = failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples")
         for i, c in enumerate(completions):  # find the sample that breaks it
             sample = f"sample {i} (completion {c!r}, answer {columns['answer'][i]!r})"
-            if (left := deadline - time.monotonic()) <= 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise RuntimeError(
-                    failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples") + f"; alone, "
-                    f"samples 0-{i - 1} returned within one more {limit:g} s, {sample} had not started"
+                    f"{in_batch}; alone, samples 0-{i - 1} returned within one more {limit:g} s, "
+                    f"{sample} had not started"
                 ) from e
             try:
                 call([i], left if limit else 0)
             except UserTimeout as e1:
                 raise RuntimeError(
-                    failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples") + f"; alone, "
-                    f"{sample} was still running when one more {limit:g} s ran out"
+                    f"{in_batch}; alone, {sample} was still running when one more {limit:g} s ran out"
                 ) from e1
             except Exception as e1:
                 raise RuntimeError(failure(f"reward function {fn}", e1, sample)) from e1

@@ -171,7 +171,10 @@ def _read_rows(path: str) -> list[tuple[str, dict]]:
                 f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}); the file must be UTF-8 encoded"
             ) from None
         header = reader.fieldnames or []
-        if len(header) == 1 and (sep := next((c for c in ";\t|" if c in header[0]), None)):
+        sep = None
+        if len(header) == 1:
+            sep = next((c for c in ";\t|" if c in header[0]), None)
+        if sep:
             raise ValueError(
                 f"{path}: its header is one column, {header[0]!r}: the file must be comma-separated, not "
                 f'{sep!r}-separated (in Excel: save as "CSV UTF-8 (comma delimited)")'
@@ -242,9 +245,8 @@ def _load_hub(name: str, split: str, flag: str):
     if not datasets.config.HF_HUB_OFFLINE:  # probe first: an unreachable hub would otherwise retry for minutes
         url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
         try:
-            socket.create_connection(
-                (url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3
-            ).close()
+            port = url.port or (443 if url.scheme == "https" else 80)
+            socket.create_connection((url.hostname, port), timeout=3).close()
         except OSError as e:
             raise ValueError(
                 hint.format(why=f"the hub ({url.geturl()}) cannot be reached from this machine ({e})")
@@ -252,11 +254,10 @@ def _load_hub(name: str, split: str, flag: str):
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as e:
-        why = (
-            "the hub is off (HF_HUB_OFFLINE) and it is not cached"
-            if datasets.config.HF_HUB_OFFLINE
-            else "loading it failed"
-        )
+        if datasets.config.HF_HUB_OFFLINE:
+            why = "the hub is off (HF_HUB_OFFLINE) and it is not cached"
+        else:
+            why = "loading it failed"
         raise ValueError(hint.format(why=f"{why} ({type(e).__name__}: {e})")) from e
 
 
@@ -264,9 +265,8 @@ def _read_source(name: str, split: str, flag: str) -> tuple[str, list[tuple[str,
     """(label, [(where, row)]) of a data file, a datasets.save_to_disk folder (a Dataset, or a DatasetDict and
     `split`) or a hub dataset name "owner/name"; the label names the source in error messages."""
     if os.path.isdir(name):
-        if not any(
-            os.path.isfile(os.path.join(name, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json")
-        ):
+        saved = ("dataset_info.json", "dataset_dict.json", "state.json")  # what save_to_disk writes
+        if not any(os.path.isfile(os.path.join(name, f)) for f in saved):
             raise IsADirectoryError(
                 f"{flag}: {name} is a directory, not a data file or a datasets.save_to_disk folder; "
                 f"give a {' / '.join(FILE_TYPES)} file or a folder written by save_to_disk"
@@ -332,7 +332,9 @@ def _examples(label: str, rows: list[tuple[str, dict]], prompt_field: str, answe
     """Validated, deduplicated rows as dicts with "prompt", "answer", "where" and every other column. The first
     problem raises a ValueError naming the source, the row and the field (load_task's docstring)."""
     first: dict[str, tuple[str, str]] = {}  # prompt key -> (where, answer) of its first row
-    examples, n_repeats, kinds = [], 0, {}  # kinds: column -> (kind, where) of its first non-null value
+    examples = []
+    n_repeats = 0
+    kinds = {}  # column -> (kind, where) of its first non-null value
     for where, row in rows:
         for field in (prompt_field, answer_field):
             if field not in row:
@@ -340,16 +342,16 @@ def _examples(label: str, rows: list[tuple[str, dict]], prompt_field: str, answe
                 raise ValueError(f"{label}: {where} has no field {field!r} ({flag}; the row has {sorted(row)})")
             if row[field] is None:
                 raise ValueError(f"{label}: {where} field {field!r} is null, expected a string")
-        if not isinstance(answer := row[answer_field], str):
-            fix = (
-                f": write {answer!r} as {json.dumps(str(answer))} (rewards compare text)"
-                if _kind(answer) == "number"
-                else ""
-            )
+        answer = row[answer_field]
+        if not isinstance(answer, str):
+            fix = ""
+            if _kind(answer) == "number":
+                fix = f": write {answer!r} as {json.dumps(str(answer))} (rewards compare text)"
             raise ValueError(
                 f"{label}: {where} field {answer_field!r} has type {type(answer).__name__}, expected a string{fix}"
             )
-        if why := _prompt_problem(row[prompt_field]):
+        why = _prompt_problem(row[prompt_field])
+        if why:
             raise ValueError(f"{label}: {where} field {prompt_field!r} {why}")
         extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
         for k in extra:
@@ -445,9 +447,9 @@ def load_task(
     if max_new_tokens is None:
         max_new_tokens = max(len(e["answer"].encode("utf-8")) for e in train + test) + 8
     name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
-    return Task(
-        name, _from_examples(label, train), _from_examples(eval_path or label, test), reward_fn or exact, max_new_tokens
-    )
+    train_ds = _from_examples(label, train)
+    test_ds = _from_examples(eval_path or label, test)
+    return Task(name, train_ds, test_ds, reward_fn or exact, max_new_tokens)
 
 
 def eval_examples(
@@ -476,9 +478,8 @@ def _drop_overlap(label: str, train: list[dict], test: list[dict]) -> list[dict]
 def _messages(prompt) -> list[dict]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
-    return [
-        {k: v for k, v in m.items() if v is not None} for m in prompt
-    ]  # a Dataset fills keys a message lacks with None
+    # a Dataset fills keys a message lacks with None
+    return [{k: v for k, v in m.items() if v is not None} for m in prompt]
 
 
 def _chat_text(tok, prompt) -> str:
@@ -501,9 +502,10 @@ def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int, compac
     for split, ds in (("train", task.train), ("test", task.test)):
         if not len(ds):
             continue
-        wheres = (
-            ds["where"] if "where" in ds.column_names else [f"{task.name}: {split} row {i}" for i in range(len(ds))]
-        )
+        if "where" in ds.column_names:
+            wheres = ds["where"]
+        else:
+            wheres = [f"{task.name}: {split} row {i}" for i in range(len(ds))]
         texts = []
         for where, p in zip(wheres, ds["prompt"]):
             try:
@@ -620,10 +622,10 @@ def get_task(
     eval_split: str = "test",
     user_timeout: float = DEFAULT_USER_TIMEOUT,
 ) -> Task:
-    """A built-in task by name ("addition", "sort", "guess", "walk", "calc"), a reasoning-gym one ("rg:<name>", data/rg.py)
-    or your data (load_task's forms), with `reward_fn` (default:
-    exact match) and, if given, `eval_task` as the whole held-out set. A reward that cannot take the data's columns
-    is refused here (check_reward), before any model loads."""
+    """A built-in task by name ("addition", "sort", "guess", "walk", "calc"), a reasoning-gym one ("rg:<name>",
+    data/rg.py) or your data (load_task's forms), with `reward_fn` (default: exact match) and, if given, `eval_task` as
+    the whole held-out set. A reward that cannot take the data's columns is refused here (check_reward), before any
+    model loads."""
     if name in BUILTIN or name.startswith("rg:"):
         task = rg_task(name[3:]) if name.startswith("rg:") else BUILTIN[name].make()
         if reward_fn is not None:
@@ -631,7 +633,8 @@ def get_task(
         if eval_task:
             test = eval_examples(eval_task, prompt_field=prompt_key, answer_field=answer_key, split=eval_split)
             train = _drop_overlap(name, task.train.to_list(), test)
-            task.train, task.test = datasets.Dataset.from_list(train), _from_examples(eval_task, test)
+            task.train = datasets.Dataset.from_list(train)
+            task.test = _from_examples(eval_task, test)
             task.max_new_tokens = max(task.max_new_tokens, max(len(e["answer"].encode("utf-8")) for e in test) + 8)
     else:
         task = load_task(
@@ -643,8 +646,9 @@ def get_task(
             eval_split=eval_split,
             reward_fn=reward_fn,
         )
-    for ds in (task.train, task.test) if task.reward_fn is not None else ():  # the held-out set may have other columns
-        check_reward(task.reward_fn, ds.column_names)
+    if task.reward_fn is not None:
+        for ds in (task.train, task.test):  # the held-out set may have other columns
+            check_reward(task.reward_fn, ds.column_names)
     task.user_timeout = user_timeout
     return task
 

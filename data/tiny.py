@@ -53,7 +53,8 @@ CACHE_FORMAT = 4
 BUILD_THREADS = 2
 # Embedding rows are padded to a multiple of this (Megatron-style), for the vocab-parallel embedding.
 VOCAB_MULTIPLE = 64
-LR_WARMUP_STEPS, GRAD_CLIP = 30, 1.0
+LR_WARMUP_STEPS = 30
+GRAD_CLIP = 1.0
 # Supervised warm-up per built-in task: stop at target_acc greedy exact match (or max_steps), so RL starts
 # from a policy that is right some of the time and has room to improve.
 DEFAULT_WARMUP = {
@@ -63,10 +64,11 @@ DEFAULT_WARMUP = {
     # Greedy walk success cannot pass ~0.26 (the greedy walker never jumps; bench/walk_design.py): target 1.0 runs all
     # the steps, so the sampled policy learns the demonstrations' jump rates, not just their most likely move.
     "walk": dict(target_acc=1.0, max_steps=300, batch_size=64, lr=3e-3, eval_every=50, n_eval=256),
-    # calc starts from the addition model (it already writes digits) and fits calc_warmup's phases (p_tool, steps, lr) in
-    # turn: demonstrations that always call the calculator (copying the expression into the call takes ~1,000 steps),
-    # then the P_TOOL mix at a lower lr, which brings the sampled call rate down to about a quarter and keeps the copy
-    # (at lr 1e-3 the mix swung calls between 5% and 30% and lost most of the copy: bench/calc_design.py, docs/tools.md).
+    # calc starts from the addition model (it already writes digits) and fits calc_warmup's phases (p_tool, steps, lr)
+    # in turn: demonstrations that always call the calculator (copying the expression into the call takes ~1,000
+    # steps), then the P_TOOL mix at a lower lr, which brings the sampled call rate down to about a quarter and keeps
+    # the copy (at lr 1e-3 the mix swung calls between 5% and 30% and lost most of the copy: bench/calc_design.py,
+    # docs/tools.md).
     "calc": dict(
         init="addition", phases=((1.0, 1000, 1e-3), (P_TOOL, 200, 2e-4)), batch_size=32, n_eval=256, rows=8000
     ),
@@ -76,7 +78,8 @@ DEFAULT_WARMUP = {
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode char map, the alphabet of the ByteLevel pre-tokenizer."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, n = {}, 0
+    chars = {}
+    n = 0  # control bytes shifted so far
     for b in range(256):
         if b in printable:
             chars[b] = chr(b)
@@ -223,12 +226,18 @@ class demo_engine:
     from each row's seed, so demonstrations are reproducible."""
 
     def __init__(self, tok, p_mid: float = 0.5, move: Callable[[str, random.Random], str] | None = None):
-        self.tok, self.p_mid, self.move = tok, p_mid, move
+        self.tok = tok
+        self.p_mid = p_mid
+        self.move = move
 
     def bisect(self, conversation: str, rng: random.Random) -> str:
         lo, hi, summary = interval(conversation)
         lo, hi = min(lo, hi), max(lo, hi)
-        return f"{lo}-{hi}" if summary else str((lo + hi) // 2 if rng.random() < self.p_mid else rng.randint(lo, hi))
+        if summary:
+            return f"{lo}-{hi}"
+        if rng.random() < self.p_mid:
+            return str((lo + hi) // 2)
+        return str(rng.randint(lo, hi))
 
     def generate(self, prompt_ids, sampling) -> Rollout:
         outs = []
@@ -256,7 +265,9 @@ def _episode_pool(tok, task: Task, n_eval: int, seed: int) -> tuple[list, Callab
     builtin = BUILTIN.get(task.name)
     compaction = builtin is not None and builtin.demo_compaction
     move = builtin.demo_move if builtin is not None else None
-    env = tools.tool_env(task.env, max_turns=task.max_turns, task=task) if tools.is_tool_env(task.env) else task.env
+    env = task.env
+    if tools.is_tool_env(task.env):
+        env = tools.tool_env(task.env, max_turns=task.max_turns, task=task)
     pool = []
     for i in range(0, len(rest), 1000):
         chunk = rest[i : i + 1000]
@@ -363,7 +374,8 @@ def calc_stats(model, tok, rows: list) -> dict:
     rate, and the success rate of the episodes that call it."""
     task = calc_task()
     env = tools.tool_env(task.env, max_turns=task.max_turns, task=task)
-    engine, stops = EmbeddedEngine(model, dtype="fp32"), tools.stop_ids(tok, env)
+    engine = EmbeddedEngine(model, dtype="fp32")
+    stops = tools.stop_ids(tok, env)
     out = {}
     for kind, s in (
         ("sampled", Sampling(max_new_tokens=task.max_new_tokens, seed=3, stop_token_ids=stops)),
@@ -450,7 +462,9 @@ def warmup(
         history.append({"step": step, "loss": round(loss, 4), "accuracy": acc})
         return acc >= target_acc
 
-    step = sft(model, tok, pool, max_steps, lr, batch_size, seed, eval_every, evaluate) if acc < target_acc else 0
+    step = 0
+    if acc < target_acc:
+        step = sft(model, tok, pool, max_steps, lr, batch_size, seed, eval_every, evaluate)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return {"steps": step, "accuracy": acc, "seconds": round(time.perf_counter() - start, 1), "history": history}
@@ -521,9 +535,8 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
     torch.set_num_threads(BUILD_THREADS)
     try:
         if "init" in DEFAULT_WARMUP[task]:  # calc: from the addition model (a MoE one is untied already)
-            stats = calc_warmup(
-                default_model(cache_dir, seed, DEFAULT_WARMUP[task]["init"], arch), tmp, **DEFAULT_WARMUP[task]
-            )
+            init = default_model(cache_dir, seed, DEFAULT_WARMUP[task]["init"], arch)
+            stats = calc_warmup(init, tmp, **DEFAULT_WARMUP[task])
         else:
             build_tiny_model(tmp, seed=seed, arch=arch)
             stats = warmup(tmp, tmp, BUILTIN[task].make(), **DEFAULT_WARMUP[task], seed=seed)
@@ -553,8 +566,6 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
 if __name__ == "__main__":
     import sys
 
-    print(
-        default_model(
-            task=sys.argv[1] if len(sys.argv) > 1 else "addition", arch=sys.argv[2] if len(sys.argv) > 2 else "dense"
-        )
-    )
+    task = sys.argv[1] if len(sys.argv) > 1 else "addition"
+    arch = sys.argv[2] if len(sys.argv) > 2 else "dense"
+    print(default_model(task=task, arch=arch))

@@ -62,11 +62,14 @@ class WalkEnv:
         self.gust: int | None = None
 
     def reseed(self, seed: int) -> None:
-        self.rng, self.gust = random.Random(seed), None  # a reseeded copy (a vine continuation) draws its own gust
+        # a reseeded copy (a vine continuation) draws its own gust
+        self.rng = random.Random(seed)
+        self.gust = None
 
     def reset(self, row: dict) -> str:
         self.wind, self.d, self.left = parse_prompt(row["prompt"])
-        self.turn, self.gust = 0, None
+        self.turn = 0
+        self.gust = None
         return row["prompt"]
 
     def critic_context(self) -> str:
@@ -108,7 +111,9 @@ def walk_rows(seed: int = 0, n_train: int = 20000, n_test: int = 1000, test_shar
     def rows(pool, n):
         return [(f"wind {g}: {observation(d, k)}", "home") for g, d, k in (rng.choice(pool) for _ in range(n))]
 
-    test, train = rows(configs[:cut], n_test), rows(configs[cut:], n_train)
+    # the test rows draw from rng first, then the train rows
+    test = rows(configs[:cut], n_test)
+    train = rows(configs[cut:], n_train)
     return train, test
 
 

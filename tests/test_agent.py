@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import agent
+import chat
 import logprobs
 import losses as L
 from conftest import read_metrics, torchrun, train_cli
@@ -260,7 +261,7 @@ def test_episode_seeds_do_not_depend_on_the_batch_split(tmp_path):
     assert whole.messages == a.messages + b.messages
     assert len({json.dumps(m) for m in whole.messages}) > 1
     # Sampling.seeds: explicit per-row seeds equal the default seed + r, and their count is checked
-    p = [agent.first_prompt_ids(TOK, "a"), agent.first_prompt_ids(TOK, "bc")]
+    p = [chat.first_prompt_ids(TOK, "a"), chat.first_prompt_ids(TOK, "bc")]
     x = engine.generate(p, Sampling(max_new_tokens=6, n=2, seed=5))
     y = engine.generate(p, Sampling(max_new_tokens=6, n=2, seeds=(5, 6, 7, 8)))
     assert torch.equal(x.tokens, y.tokens) and not torch.equal(x.tokens[0], x.tokens[1])

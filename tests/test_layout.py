@@ -33,7 +33,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("losses", "logprobs", "moe", "parallel", "decoder"),
-    ("data.rewards", "data.guess", "data.walk", "data.calc", "data.rg", "data.tasks", "tools"),
+    ("data.rewards", "data.guess", "data.walk", "data.calc", "data.rg", "data.tasks", "tools", "chat"),
     ("rollout",),
     ("embedded_engine", "sglang_engine", "agent", "vine"),
     ("data.tiny",),

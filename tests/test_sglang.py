@@ -277,20 +277,21 @@ def test_multi_turn_episodes(engine, hf_model):
     same episodes is checked on the embedded engine: SGLang on CPU ignores per-row seeds.) The test model's EOS is not the template's <|im_end|>,
     so the rows are not well-formed ChatML; the token bookkeeping is what is checked."""
     import agent
+    import chat
     from data.tiny import build_tokenizer
 
     tok = build_tokenizer()
     rows = [{"prompt": p} for p in ("abc", "hello there", "x")]
     # The random model rarely samples its EOS after a chat header: its 4 most frequent tokens there end a turn.
     probe = engine.generate(
-        [agent.first_prompt_ids(tok, "abc")], Sampling(max_new_tokens=16, n=8, seed=1)
+        [chat.first_prompt_ids(tok, "abc")], Sampling(max_new_tokens=16, n=8, seed=1)
     ).tokens.flatten()
     s = Sampling(max_new_tokens=8, n=2, seed=9, stop_token_ids=tuple(probe.bincount().topk(4).indices.tolist()))
     ep = agent.run_episodes(engine, tok, _Turns, rows, s, max_turns=4, context_len=256)
     ro = ep.rollout
     assert max(ep.turns) >= 2 and (ro.attend & ~ro.mask).any()
     assert max_diff(ro.infer_logp, trainer_logp(hf_model, ro, s), ro.mask) < FP32_ATOL
-    assert ep.rollout.prompt_ids[0] == agent.first_prompt_ids(tok, "abc")
+    assert ep.rollout.prompt_ids[0] == chat.first_prompt_ids(tok, "abc")
 
 
 def test_tool_episodes(tool_caller_dir):

@@ -18,7 +18,7 @@ from transformers.utils import get_json_schema
 
 import agent
 import tools
-from agent import check_chat_template, first_prompt_ids, observation_ids
+from chat import check_chat_template, first_prompt_ids, observation_ids
 from conftest import REPO, require_extras, trainer_logp
 from data.guess import GuessEnv, GuessTools, guess_rows
 from data.rewards import exact

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import agent
+import chat
 from conftest import CACHE, REPO
 from data.tasks import get_task
 from data.tiny import build_tokenizer, default_model, demo_engine
@@ -164,7 +165,7 @@ def test_observation_format_and_layout():
         max_turns=task.max_turns,
         context_len=256,
     )
-    turn = 2 + len(agent.observation_ids(tok, observation(3, 3)))  # move, <|im_end|>, observation
+    turn = 2 + len(chat.observation_ids(tok, observation(3, 3)))  # move, <|im_end|>, observation
     for m, k in zip(ep.rollout.mask, ep.turns):
         assert m.nonzero().flatten().tolist() == [turn * j + c for j in range(k) for c in (0, 1)]
     assert set(ep.finish) == {"done"} and ep.rollout.tokens.shape[1] + max(map(len, ep.rollout.prompt_ids)) < 256
