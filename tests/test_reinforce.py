@@ -195,12 +195,15 @@ def test_dp2_ranks_hold_the_one_process_table(tmp_path):
         assert rb["ppo/grad_norm"] == pytest.approx(ra["ppo/grad_norm"], rel=1e-4)
 
 
-@pytest.mark.e2e  # the walk model (built by tests/test_walk.py's first use when .cache lacks it)
-def test_rows_that_repeat_a_prompt_share_its_baseline(tmp_path):
+@pytest.mark.e2e
+def test_rows_that_repeat_a_prompt_share_its_baseline(tmp_path, tiny_model_dir):
     """--task walk: 20,000 train rows, 71 prompts. Step 2's rows whose prompt step 1 drew have history (keyed by row
-    they would not: a row comes once per epoch). A checkpoint whose table is keyed by row (no baseline_keys) is refused."""
+    they would not: a row comes once per epoch). A checkpoint whose table is keyed by row (no baseline_keys) is refused.
+    The policy is the tiny addition model: which rows have history depends on the prompts drawn, not on what the policy
+    answers, so the test needs no walk model (whose build tests/test_walk.py checks)."""
     cfg = small(
         tmp_path / "run",
+        model=tiny_model_dir,
         task="walk",
         algo="reinforce",
         rollout_batch=32,

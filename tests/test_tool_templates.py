@@ -445,11 +445,20 @@ def test_tool_episodes_recompute_equals_the_engine(tool_caller_dir):
     assert (trainer_logp(model, ro, s, tok.pad_token_id) - ro.infer_logp)[ro.mask].abs().max() < 1e-4
 
 
-def test_the_notebook_runs(tiny_model_dir):
+def test_the_notebook_runs(tiny_model_dir, tool_caller_dir, monkeypatch):
     """examples/tools.ipynb, its code cells run in order in one namespace (no Jupyter needed): it fits the tool caller,
-    builds a tool environment, parses a call, plays calc episodes and computes the losses; its own checks asserted here."""
+    builds a tool environment, parses a call, plays calc episodes and computes the losses; its own checks asserted here.
+    Its fit, data.tiny.tool_caller(default_model(), a temp folder), is the session's tool_caller_dir: the same function
+    of the same model (it seeds itself), fitted once per session."""
     import json
 
+    import data.tiny
+
+    def fitted(model_dir, out_dir, **kw):
+        assert model_dir == tiny_model_dir and not kw, (model_dir, kw)  # the call tool_caller_dir made
+        return tool_caller_dir
+
+    monkeypatch.setattr(data.tiny, "tool_caller", fitted)
     with open(os.path.join(REPO, "examples", "tools.ipynb")) as f:
         cells = ["".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code"]
     ns = {}
