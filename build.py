@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import moe
+from agent import DEFAULT_MAX_TURNS, load_env, run_episodes
 from checkpoint import (
     check_fresh_start,
     check_inputs,
@@ -31,7 +32,6 @@ from checkpoint import (
     lock_run_dir,
     save_checkpoint,
 )
-from agent import DEFAULT_MAX_TURNS, load_env, run_episodes
 from config import Config, Plan, check_model, resolve
 from data.rewards import load_reward
 from data.tasks import Task, get_task, prompt_keys, warmup_kind

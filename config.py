@@ -235,7 +235,8 @@ class Plan:
 
 
 def _multi_turn(cfg: Config) -> bool:
-    return bool(cfg.env) or (cfg.task in BUILTIN and BUILTIN[cfg.task].multi_turn)
+    builtin = BUILTIN.get(cfg.task)
+    return bool(cfg.env) or (builtin is not None and builtin.multi_turn)
 
 
 def resolve(cfg: Config, world_size: int) -> Plan:
@@ -277,7 +278,8 @@ def _tool_env(cfg: Config) -> tuple[bool, list[str]]:
     """(whether the run's environment is a tool environment, the errors of loading --env). Loading runs the
     environment file's top level: its errors are named here, before any work."""
     if not cfg.env:
-        return cfg.task in BUILTIN and BUILTIN[cfg.task].tool_env, []
+        builtin = BUILTIN.get(cfg.task)
+        return builtin is not None and builtin.tool_env, []
     try:
         return is_tool_env(load_env(cfg.env)), []
     except ValueError as e:

@@ -87,18 +87,19 @@ class Metrics:
             ratio_keys = sorted({k for p in parts for k in p[0]})
             ev_keys = sorted({k for p in parts for k in p[1]})
         sums = torch.tensor([self.ratios.get(k, [0.0, 0.0]) for k in ratio_keys], dtype=torch.float64).reshape(-1, 2)
-        if dist.is_initialized():
-            dist.all_reduce(sums)
+        # A rank without an EV key adds zeros: no token.
+        stats = torch.tensor(
+            [self.evs[k].tolist() if k in self.evs else [0.0] * 5 for k in ev_keys], dtype=torch.float64
+        )
+        stats = stats.reshape(-1, 5)
+        if dist.is_initialized():  # one collective for both kinds of sums
+            both = torch.cat([sums.flatten(), stats.flatten()])
+            dist.all_reduce(both)
+            sums = both[: sums.numel()].reshape(-1, 2)
+            stats = both[sums.numel() :].reshape(-1, 5)
         # A ratio is a float32 figure like every other metric (its sums are float64: counts of many tokens).
         ratios = [float(torch.tensor(t / c if c else float("nan"), dtype=torch.float32)) for t, c in sums.tolist()]
-        # Summed before the division: the EV of the global batch (a rank without a key adds zeros, no token).
-        no_token = torch.zeros(5, dtype=torch.float64)
-        if ev_keys:
-            stats = torch.stack([self.evs.get(k, no_token) for k in ev_keys])
-        else:
-            stats = torch.zeros(0, 5, dtype=torch.float64)
-        if dist.is_initialized() and ev_keys:
-            dist.all_reduce(stats)
+        # Summed before the division: the EV of the global batch.
         evs = losses.ev_from_stats(stats).tolist()
         return {**dict(zip(keys, vals.tolist())), **dict(zip(ratio_keys, ratios)), **dict(zip(ev_keys, evs))}
 

@@ -56,13 +56,13 @@ from build import (
     setup,
     start_log,
 )
+from checkpoint import latest_checkpoint
 from config import Config
 from data.tasks import prompt_indices
 from evaluation import rollouts, scored
 from forward import response_logprobs, response_values
 from parallel import PREEMPTION, all_reduce, print0, tp_share
 from rollout import Rollout, Sampling, TrainBatch, push_weights, sync_weights
-from checkpoint import latest_checkpoint
 from runlog import Metrics, RunLog, timed
 from update import check_finite, denominator, micro, minibatches, optimizer_step
 from value_model import (
