@@ -124,6 +124,8 @@ def setup(cfg: Config) -> Run:
     if cfg.train_dtype == "auto":  # resolved before anything records or compares the config
         cfg = replace(cfg, train_dtype="bf16" if rt.device.type == "cuda" else "fp32")
     plan = resolve(cfg, rt.world_size)
+    # resolved once: user code that changes the working folder (a reward's os.chdir) cannot move the run's records
+    cfg = replace(cfg, out_dir=os.path.abspath(cfg.out_dir))
     lock = lock_run_dir(cfg.out_dir) if rt.rank == 0 else None
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)

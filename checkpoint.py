@@ -18,6 +18,7 @@ config) where a resume compares the whole recorded config.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import importlib.util
@@ -73,21 +74,67 @@ def read_metrics(path: str) -> list[dict]:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def safetensors_problem(folder: str) -> str | None:
-    """Why a *.safetensors file in a model folder is unusable (truncated, unreadable header), or None.
-    Reads only the headers: the data must end exactly where the header's last tensor does."""
-    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
-        path = os.path.join(folder, name)
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own bound on a header (the Rust reader refuses more)
+
+
+def safetensors_header(path: str) -> dict:
+    """The tensors a *.safetensors file's header lists, {name: {"dtype", "shape", "data_offsets"}}, read without the
+    data and without trusting the file: the header's length is checked against the file's size (and the format's
+    100 MB bound) before it is read, the header must be a JSON object of such entries, and the data must end exactly
+    where its last tensor does. Anything else is a ValueError saying what is wrong with the file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or n > min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(f"{path} is damaged: its header claims {n} bytes in a file of {size}")
         try:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
-            need = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, OSError) as e:
-            return f"{path} has an unreadable header ({type(e).__name__}: {e})"
-        if os.path.getsize(path) != need:
-            return f"{path} is truncated or damaged: {os.path.getsize(path)} bytes where its header needs {need}"
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{path} has an unreadable header ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} has an unreadable header: a JSON {type(header).__name__}, not an object")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = 0
+    for k, v in tensors.items():
+        ok = isinstance(v, dict) and isinstance(v.get("shape"), list) and isinstance(v.get("data_offsets"), list)
+        ok = ok and all(isinstance(d, int) and d >= 0 for d in v["shape"] + v["data_offsets"])
+        if not ok or len(v["data_offsets"]) != 2:
+            raise ValueError(f"{path} has an unreadable header: tensor {k!r} is {str(v)[:100]}")
+        end = max(end, v["data_offsets"][1])
+    if size != 8 + n + end:
+        raise ValueError(f"{path} is truncated or damaged: {size} bytes where its header needs {8 + n + end}")
+    return tensors
+
+
+def safetensors_problem(folder: str) -> str | None:
+    """Why a *.safetensors file in a model folder is unusable (truncated, a damaged or unreadable header), or None.
+    Reads only the headers (safetensors_header)."""
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        try:
+            safetensors_header(os.path.join(folder, name))
+        except OSError as e:
+            return f"{os.path.join(folder, name)} cannot be read ({type(e).__name__}: {e})"
+        except ValueError as e:
+            return str(e)
     return None
+
+
+def shape_problem(folder: str, model: torch.nn.Module) -> str | None:
+    """The tensors of a model folder's *.safetensors files whose shape (from the headers, safetensors_header) is not
+    the one `model` (a weightless copy built from the folder's config.json, on the meta device) gives them, or None.
+    Run before a load, so a config.json that claims a vocabulary of 10^8 over 320-row weights is refused before
+    transformers allocates for it. Names the files do not share with the model are left to the load's own check
+    (decoder.load_pretrained)."""
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    bad = []
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        for k, v in safetensors_header(os.path.join(folder, name)).items():
+            if k in want and tuple(v["shape"]) != want[k]:
+                bad.append(f"{k} ({tuple(v['shape'])} in {name}, {want[k]} from config.json)")
+    if not bad:
+        return None
+    more = ", ..." if len(bad) > 5 else ""
+    return f"{len(bad)} tensor(s) have another shape than config.json gives them: {', '.join(bad[:5])}{more}"
 
 
 def checkpoint_problem(ckpt: str, algo: str = "ppo") -> str | None:
@@ -490,20 +537,33 @@ def save_checkpoint(
     root = os.path.join(out_dir, "checkpoints")
     name = f"step_{step:06d}"
     tmp, final = os.path.join(root, f".{name}.tmp"), os.path.join(root, name)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    _save_hf(policy, os.path.join(tmp, "policy"), rank, tokenizer)
-    if critic is not None:
-        _save_hf(critic, os.path.join(tmp, "critic"), rank)
     state = {
         "step": step,
         "optimizers": {k: _local_optimizer_state(o) for k, o in optimizers.items()},
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         **extra,
     }
-    torch.save(state, os.path.join(tmp, f"trainer_rank{rank}.pt"))
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        _barrier()
+        _save_hf(policy, os.path.join(tmp, "policy"), rank, tokenizer)
+        if critic is not None:
+            _save_hf(critic, os.path.join(tmp, "critic"), rank)
+        torch.save(state, os.path.join(tmp, f"trainer_rank{rank}.pt"))
+    except Exception as e:  # torch.save says "basic_ios::clear: iostream error", safetensors raises its own error
+        shutil.rmtree(tmp, ignore_errors=True)
+        need = _tensor_bytes(policy, critic, state)
+        free = shutil.disk_usage(root).free
+        if getattr(e, "errno", None) != errno.ENOSPC and free >= need:
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"saving checkpoint {name} failed: the disk holding {root} is full ({free / 2**20:.1f} MiB free once the "
+            f"partial copy was removed; the checkpoint needs about {need / 2**20:.1f} MiB). The older checkpoints are "
+            "intact: free space on that disk, then run the same command again to resume from the newest of them",
+        ) from e
     _barrier()
     if rank == 0:
         models = ["policy"] + (["critic"] if critic is not None else [])  # what checkpoint_problem checks
@@ -517,6 +577,22 @@ def save_checkpoint(
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     _barrier()
     return final
+
+
+def _tensor_bytes(*objects) -> int:
+    """The bytes of the tensors in models (their full parameters) and nested containers: what a checkpoint of them
+    holds, give or take the headers."""
+    total = 0
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            total += sum(p.numel() * p.element_size() for p in obj.state_dict().values())
+        elif torch.is_tensor(obj):
+            total += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            total += _tensor_bytes(*obj.values())
+        elif isinstance(obj, (list, tuple)):
+            total += _tensor_bytes(*obj)
+    return total
 
 
 def load_trainer_state(ckpt: str, rank: int, world_size: int, optimizers: dict) -> dict:

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from agent import load_env
-from checkpoint import safetensors_problem
+from checkpoint import safetensors_problem, shape_problem
 from data.rewards import load_reward
 from data.tasks import BUILTIN, check_lengths
 from moe import is_moe
@@ -575,9 +575,12 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
         )
     if bad := safetensors_problem(path):
         raise ValueError(f"{name}: {bad}")
-    if cfg.tp > 1:  # the head counts against --tp, on a weightless copy
-        with torch.device("meta"):
-            check_tp(AutoModelForCausalLM.from_config(mc), cfg.tp)
+    with torch.device("meta"):  # a weightless copy: the shapes config.json gives, with nothing allocated
+        shapes = AutoModelForCausalLM.from_config(mc)
+    if bad := shape_problem(path, shapes):
+        raise ValueError(f"{name}: {bad}. Fix its config.json or the weights")
+    if cfg.tp > 1:  # the head counts against --tp
+        check_tp(shapes, cfg.tp)
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (

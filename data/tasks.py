@@ -21,6 +21,7 @@ import numbers
 import os
 import random
 import re
+import stat
 import socket
 import urllib.parse
 from dataclasses import dataclass
@@ -274,8 +275,11 @@ def _read_source(name: str, split: str, flag: str) -> tuple[str, list[tuple[str,
         ds, label = _pick_split(datasets.load_from_disk(name), name, split, flag)
         return label, [(f"row {i}", row) for i, row in enumerate(ds.to_list())]
     if name.lower().endswith(FILE_TYPES) or os.sep in name and not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
-        if not os.path.isfile(name):
+        if not os.path.exists(name):
             raise FileNotFoundError(f"{flag}: no such file: {name}")
+        if not os.path.isfile(name):  # a FIFO would block the read, /dev/zero never end it
+            kind = "a FIFO" if stat.S_ISFIFO(os.stat(name).st_mode) else "a device or other special file"
+            raise ValueError(f"{flag}: {name} is {kind}, not a regular file; give a {' / '.join(FILE_TYPES)} file")
         return name, _read_rows(name)
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
         ds, label = _pick_split(_load_hub(name, split, flag), name, split, flag)
@@ -296,7 +300,7 @@ def _prompt_problem(p) -> str | None:
     last message with an assistant header, so a prompt ending on an assistant message would have it answer itself
     (often the reference answer left in the prompt)."""
     if isinstance(p, str):
-        return None if p.strip() else "is empty"
+        return _text_problem(p) or (None if p.strip() else "is empty")
     if not isinstance(p, list):
         return (
             f"has type {type(p).__name__}, expected a string or a list of chat messages "
@@ -309,6 +313,8 @@ def _prompt_problem(p) -> str | None:
             return f"message {j} is {msg!r}, expected a dict with string 'role' and 'content'"
         if msg["role"] not in ROLES:
             return f"message {j} has role {msg['role']!r}; a message's role is one of {', '.join(ROLES)}"
+        if bad := _text_problem(msg["content"]):
+            return f"message {j} {bad}"
     if not any(m["role"] == "user" for m in p):
         return f"has no user message (roles: {', '.join(m['role'] for m in p)}); a prompt needs one for the policy to answer"
     if p[-1]["role"] not in ANSWERED:
@@ -316,6 +322,16 @@ def _prompt_problem(p) -> str | None:
             f"ends on message {len(p) - 1} of role {p[-1]['role']!r}; the last message must be a user (or tool) "
             "message, which the policy answers: drop the trailing message (is it the answer?)"
         )
+    return None
+
+
+def _text_problem(text: str) -> str | None:
+    """Why a string is not text a tokenizer can take: a lone surrogate (JSON's "\\ud800" escape decodes to one) has
+    no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not text"
     return None
 
 
@@ -499,6 +515,8 @@ def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int, compac
     after a compaction starts with the prompt and the summary (up to max_new_tokens) and must fit a turn before the
     next, else every turn compacts. (With --env the prompts measured are the rows reset() is given.)"""
     lengths = []  # (prompt tokens, where) of every row
+    # characters: a token covers at most this many (4 x: a normalizer may fold a few characters into one)
+    longest_token = max(map(len, tok.get_vocab()))
     for split, ds in (("train", task.train), ("test", task.test)):
         if not len(ds):
             continue
@@ -509,13 +527,20 @@ def check_lengths(task: Task, tok, context_len: int, max_new_tokens: int, compac
         texts = []
         for where, p in zip(wheres, ds["prompt"]):
             try:
-                texts.append(_chat_text(tok, p))
+                text = _chat_text(tok, p)
             except Exception as e:  # jinja2's TemplateError (a template's raise_exception), or its own bugs
                 roles = "user" if isinstance(p, str) else ", ".join(m["role"] for m in p)
                 raise ValueError(
                     f"check_lengths: {where}: the chat template of {tok.name_or_path} fails on this prompt "
                     f"(roles: {roles}): {type(e).__name__}: {e}"
                 ) from e
+            if len(text) > 4 * longest_token * context_len:  # refused before the tokenizer sees it (50 MB aborts it)
+                raise ValueError(
+                    f"check_lengths: {where}: the prompt is {len(text)} characters (chat-formatted), more than 4 x "
+                    f"{context_len} tokens (the context length) x {longest_token} characters (the longest token) "
+                    "could hold; shorten the prompt or drop the row"
+                )
+            texts.append(text)
         lengths += zip(map(len, tok(texts, add_special_tokens=False).input_ids), wheres)
     too_long = [(n, w) for n, w in lengths if n + max_new_tokens > context_len]
     if too_long:

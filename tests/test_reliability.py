@@ -104,6 +104,126 @@ def test_over_long_data_row_is_found_before_training(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_weights_of_another_shape_than_config_json_are_refused_before_any_allocation(tmp_path, model_copy, monkeypatch):
+    """A config.json that claims a vocabulary of 10^8 over the tiny model's weights: transformers would allocate
+    about 51 GB for it before its own shape report. The headers are compared with a weightless copy first."""
+    import decoder
+
+    path = model_copy()
+    _break_config(path, vocab_size=10**8)
+    monkeypatch.setattr(decoder, "load_pretrained", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight \(\(\d+, \d+\) in model.safetensors, "):
+        main(small(tmp_path / "run", model=path))
+
+
+def test_a_safetensors_header_that_is_a_json_list_is_named(tmp_path, model_copy):
+    path = model_copy()
+    _header_json(os.path.join(path, "model.safetensors"), b"[]")
+    with pytest.raises(ValueError, match="model.safetensors has an unreadable header: a JSON list, not an object"):
+        main(small(tmp_path / "run", model=path))
+
+
+def _sum_rows(n=20) -> str:
+    return "".join(json.dumps({"prompt": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(n))
+
+
+def test_a_prompt_of_megabytes_is_refused_by_row_before_the_tokenizer(tmp_path, monkeypatch):
+    """One 5 MB prompt line (50 MB aborted the tokenizer after 31 s at 5.9 GB): refused by its characters, naming the
+    row, with the tokenizer never called on it."""
+    import transformers
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(_sum_rows() + json.dumps({"prompt": "9" * 5_000_000, "answer": "x"}) + "\n")
+    call = transformers.PreTrainedTokenizerBase.__call__
+
+    def tokenize(self, text, *a, **k):
+        assert max(map(len, [text] if isinstance(text, str) else text)) < 10**6, "the tokenizer got the huge prompt"
+        return call(self, text, *a, **k)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", tokenize)
+    with pytest.raises(ValueError, match=r"d.jsonl: row 20 \(line 21\): the prompt is 5000\d\d\d characters"):
+        main(small(tmp_path / "run", task=str(data)))
+
+
+def test_a_prompt_with_a_lone_surrogate_is_refused_with_its_row(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(_sum_rows() + '{"prompt": "2+\\ud800", "answer": "x"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl: row 20 \(line 21\).*lone surrogate \('\\ud800' at character 2\)"):
+        main(small(tmp_path / "run", task=str(data)))
+
+
+def test_a_task_that_is_a_fifo_or_a_device_is_refused_as_such(tmp_path):
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.jsonl"
+    os.symlink("/dev/zero", zero)
+    for path, kind in ((fifo, "a FIFO"), (zero, "a device or other special file")):
+        with pytest.raises(ValueError, match=f"--task: {re.escape(str(path))} is {kind}, not a regular file"):
+            main(small(tmp_path / "run", task=str(path)))
+
+
+@pytest.mark.e2e
+def test_a_reward_that_changes_the_working_folder_cannot_move_the_records(tmp_path, tiny_model_dir, monkeypatch):
+    """--out-dir is resolved once at start: a reward calling os.chdir (into a folder that also holds a "run") used to
+    crash the run at its first log, or send the records there."""
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "run").mkdir(parents=True)
+    reward = tmp_path / "wanders.py"
+    reward.write_text(
+        f"import os\n\ndef reward(completions, **columns):\n    os.chdir({str(elsewhere)!r})\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path / "home")
+    main(small("run", steps=1, model=tiny_model_dir, reward=f"{reward}:reward"))
+    assert (tmp_path / "home" / "run" / "metrics.jsonl").exists()
+    assert os.listdir(elsewhere / "run") == []
+
+
+def test_a_full_disk_during_a_save_is_named_with_the_folder_and_the_space(tmp_path):
+    """Checkpoint saves into an 8 MiB tmpfs (a bubblewrap mount, so no root mount is needed): the first fits, then a
+    filler leaves half a checkpoint's space for the second. The older checkpoint stays intact and the error names the full disk, the folder and the space,
+    where torch alone says "basic_ios::clear: iostream error"."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("needs bubblewrap (apt-get install -y bubblewrap) for a small disk")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = f"""
+import os, shutil, torch, transformers
+from checkpoint import save_checkpoint, checkpoint_problem
+from data.tiny import build_tokenizer
+tok = build_tokenizer()
+cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+policy = transformers.LlamaForCausalLM(cfg)
+opt = torch.optim.AdamW(policy.parameters())
+policy(torch.tensor([[1, 2]])).logits.sum().backward()
+opt.step()
+def save(step):
+    return save_checkpoint({str(disk)!r}, step, 0, 1, 2, policy=policy, critic=None, tokenizer=tok,
+        optimizers={{"policy": opt}}, extra={{}})
+first = save(1)
+size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(first) for f in fs)
+with open({str(disk)!r} + "/filler", "wb") as f:  # leave half a checkpoint free
+    f.write(bytes(shutil.disk_usage({str(disk)!r}).free - size // 2))
+try:
+    save(2)
+except OSError as e:
+    print("ERROR", e)
+print("INTACT", checkpoint_problem(first, "grpo"))
+"""
+    p = subprocess.run(
+        ["bwrap", "--dev-bind", "/", "/", "--size", str(8 * 2**20), "--tmpfs", str(disk), sys.executable, "-c", script],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "INTACT None" in p.stdout, p.stdout + p.stderr
+    assert re.search(rf"ERROR .*the disk holding {re.escape(str(disk))}/checkpoints is full \(\d", p.stdout), p.stdout
+
+
 # ----------------------------------------------------------------------------- the non-finite guard
 
 
@@ -297,6 +417,19 @@ def _bad_metrics_line(d):
     open(os.path.join(d, "metrics.jsonl"), "w").write("\n".join([lines[0], lines[1][:20], *lines[2:]]) + "\n")
 
 
+def _header_length(path, n):
+    """Overwrite a safetensors file's 8-byte header length."""
+    with open(path, "r+b") as f:
+        f.write(n.to_bytes(8, "little"))
+
+
+def _header_json(path, header: bytes):
+    """Replace a safetensors file's header with `header` (padded to its length, so the size still adds up)."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        f.write(header.ljust(n))
+
+
 # name -> (damage(run folder), the checkpoint step a resume takes, or the error a rerun stops with; the note or error)
 HOSTILE_FOLDERS = {
     "newest_without_meta": (
@@ -328,6 +461,21 @@ HOSTILE_FOLDERS = {
         lambda d: os.truncate(_ckpt(d, 2, "policy", "config.json"), 20),
         1,
         r"step_000002 \(policy/config.json is not valid JSON",
+    ),
+    "newest_policy_header_length_overflows": (  # OverflowError on read(2**64 - 1), before: an unhandled crash
+        lambda d: _header_length(_ckpt(d, 2, "policy", "model.safetensors"), 2**64 - 1),
+        1,
+        r"step_000002 \(.*policy/model.safetensors is damaged: its header claims 18446744073709551615 bytes",
+    ),
+    "newest_critic_header_length_2_60": (  # MemoryError, before
+        lambda d: _header_length(_ckpt(d, 2, "critic", "model.safetensors"), 2**60),
+        1,
+        r"step_000002 \(.*critic/model.safetensors is damaged: its header claims 1152921504606846976 bytes",
+    ),
+    "newest_policy_header_a_json_list": (  # AttributeError, before
+        lambda d: _header_json(_ckpt(d, 2, "policy", "model.safetensors"), b"[]"),
+        1,
+        r"step_000002 \(.*policy/model.safetensors has an unreadable header: a JSON list, not an object",
     ),
     "only_step_folder_without_meta": (
         lambda d: _remove(_ckpt(d, 2), _ckpt(d, 1, "meta.json")),
