@@ -17,7 +17,7 @@ aligned with `completions` (the internal `where` column is not passed). One item
 "path/to/file.py:function" or "package.module:function"; `check_reward` checks, before any model loads, that it can
 take the columns of the data. `score` runs a task's reward on copies of the completions and columns and checks what
 it returns. `call_user` is how user code (a reward, an environment's methods) runs: in a worker thread, with a time
-limit (--user-timeout), and a sys.exit inside it is an error.
+limit (--user-timeout), and a sys.exit inside it is an error, as it is at import (import_target).
 """
 
 import copy
@@ -117,13 +117,20 @@ def math_reward(completions: list[str], *, answer: list[str], **columns) -> list
 
 
 SPEC_FORMS = "'' or 'exact' (exact match), 'math', 'path/to/file.py:function' or 'package.module:function'"
+_EXIT_HINT = " (user code must return or raise an Exception: the run stops here)"
+
+
+def exited(e: BaseException) -> str:
+    """What user code did that raised `e`, a BaseException that is not an Exception, as a verb phrase."""
+    return f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {e!r}"
 
 
 @functools.cache
 def import_target(spec: str, flag: str, noun: str, forms: str):
     """(module, where, name) for a plug-in named 'path/to/file.py:name' or 'package.module:name' (--reward, --env).
-    A file is executed once per process (cached). A bad form, a missing file or module, one that fails to import:
-    a ValueError naming the flag."""
+    A file is executed once per process (cached). A bad form, a missing file or module, one that fails to import,
+    raising anything but KeyboardInterrupt (sys.exit included, which would otherwise end the run with its status):
+    a ValueError naming the flag and the file."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise ValueError(f"{flag} {spec!r} is not {noun}: give {forms}")
@@ -136,16 +143,30 @@ def import_target(spec: str, flag: str, noun: str, forms: str):
         sys.modules[mod_name] = module  # so dataclasses and pickling inside the file work
         try:
             mspec.loader.exec_module(module)
-        except Exception as e:
+        except BaseException as e:  # sys.exit at its top level included: it would end the run with its status
             del sys.modules[mod_name]
-            raise ValueError(f"{flag} {spec!r}: running {where} raised {e!r}") from e
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            if isinstance(e, Exception):
+                raise ValueError(f"{flag} {spec!r}: running {where} raised {e!r}") from e
+            raise ValueError(
+                f"{flag} {spec!r}: {where} {exited(e)} at import (a file given to {flag} must not exit when "
+                "imported: the run stops here)"
+            ) from e
         return module, where, name
     try:
         return importlib.import_module(where), where, name
+    except KeyboardInterrupt:
+        raise
     except Exception as e:
         raise ValueError(
             f"{flag} {spec!r}: cannot import module {where!r} ({e!r}); give a module on the Python path "
             "or a path to a .py file"
+        ) from e
+    except BaseException as e:
+        raise ValueError(
+            f"{flag} {spec!r}: module {where!r} {exited(e)} at import (a module given to {flag} must not exit "
+            "when imported: the run stops here)"
         ) from e
 
 
@@ -247,8 +268,7 @@ def call_user(fn: Callable, *args, timeout: float, what: str, flag: str = "--use
         return out
     if isinstance(out, (Exception, KeyboardInterrupt)):
         raise out
-    why = f"called sys.exit({out.code!r})" if isinstance(out, SystemExit) else f"raised {out!r}"
-    raise UserCodeError(what, why + " (user code must return or raise an Exception: the run stops here)") from out
+    raise UserCodeError(what, exited(out) + _EXIT_HINT) from out
 
 
 def failure(what: str, e: BaseException, where: str) -> str:

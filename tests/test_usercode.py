@@ -5,6 +5,7 @@ data.rewards.score and agent.run_episodes, then three runs of train_ppo.py (e2e)
 message, time."""
 
 import copy
+import re
 import time
 import warnings
 
@@ -195,12 +196,62 @@ def test_reward_signature_is_checked_against_the_data_before_any_model(tmp_path,
     def no_model(*a, **k):
         raise AssertionError("a model was built or loaded before the reward was checked")
 
+    # "before any model" is checked by these stand-ins, not by the time the refusal takes: with a model built or
+    # loaded first, main raises their AssertionError, not the ValueError.
     monkeypatch.setattr(train_ppo, "build_models", no_model)
     monkeypatch.setattr("data.tiny.default_model", no_model)
-    t = time.monotonic()
     with pytest.raises(ValueError, match="--reward: the reward function no_prompts cannot take"):
         train_ppo.main(small(tmp_path / "run", task=str(data), reward=f"{f}:no_prompts"))
-    assert time.monotonic() - t < 30
+
+
+@pytest.mark.parametrize(
+    "case,source,msg",
+    [
+        ("exit0", "import sys\nsys.exit(0)\n", "called sys.exit(0) at import"),
+        ("exitstr", "raise SystemExit('bye')\n", "called sys.exit('bye') at import"),
+        ("base", "raise BaseException('odd')\n", "raised BaseException('odd') at import"),
+    ],
+    ids=["sys.exit(0)", "SystemExit('bye')", "BaseException"],
+)
+@pytest.mark.parametrize("flag", ["--reward", "--env"])
+def test_user_file_that_exits_at_import_is_an_error_naming_flag_and_file(
+    tmp_path, monkeypatch, flag, case, source, msg
+):
+    """sys.exit at a reward's or environment's top level ended the run with that status (0: nothing printed), as a
+    SystemExit is no Exception; it is now a ValueError naming the flag and the file, from a file or a module."""
+    load = R.load_reward if flag == "--reward" else agent.load_env
+    name = f"{case}_{flag[2:]}"  # a module of its own per case
+    f = tmp_path / f"{name}.py"
+    f.write_text(source)
+    with pytest.raises(
+        ValueError, match=rf"^{flag} '.*{name}.py:fn': .*{name}.py {re.escape(msg)} \(a file given to {flag} must not"
+    ):
+        load(f"{f}:fn")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        ValueError, match=rf"^{flag} '{name}:fn': module '{name}' {re.escape(msg)} \(a module given to {flag}"
+    ):
+        load(f"{name}:fn")
+
+
+def test_run_whose_reward_file_exits_at_import_stops_before_any_model(tmp_path, monkeypatch):
+    f = tmp_path / "bye.py"
+    f.write_text("import sys\nsys.exit(0)\n")
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built or loaded before the reward file was imported")
+
+    monkeypatch.setattr(train_ppo, "build_models", no_model)
+    monkeypatch.setattr("data.tiny.default_model", no_model)
+    with pytest.raises(ValueError, match=r"invalid configuration:\n  --reward '.*bye.py:fn': .*bye.py called "):
+        train_ppo.main(small(tmp_path / "run", reward=f"{f}:fn"))
+
+
+def test_keyboard_interrupt_at_import_passes_through(tmp_path):
+    f = tmp_path / "ctrl_c.py"
+    f.write_text("raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt):
+        R.load_reward(f"{f}:fn")
 
 
 def test_call_user_passes_values_and_exceptions_through():
