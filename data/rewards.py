@@ -352,14 +352,18 @@ def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
     """Run the task's reward function (task: a data.tasks.Task) on copies of the completions and of the dataset columns
     aligned with them ("prompt" and "answer" among them; reward_columns): fn(completions, prompts=, answer=, **other
     columns), so a reward that edits them changes neither training nor the samples file. One call over the batch,
-    with task.user_timeout (call_user; the built-in rewards run in this thread: they cannot hang). When it fails, the
-    samples are tried one by one within one more timeout to name the first that fails alone. Refuses anything but one
-    finite number, None or dict with "score" per completion, naming the function and the sample."""
+    with task.user_timeout (call_user; the built-in rewards run in this thread: they cannot hang). When the call
+    raises, the samples are tried one by one to name the first that fails alone, within what is left of the same
+    time limit; a call past the limit is not retried, so a reward that hangs stops the run after one --user-timeout.
+    Refuses anything but one finite number, None or dict with "score" per completion, naming the function and the
+    sample."""
     fn = getattr(task.reward_fn, "__name__", repr(task.reward_fn))
+    what = f"reward function {fn}"
     for k, v in columns.items():
         if len(v) != len(completions):
             raise ValueError(f"score: column {k!r} has {len(v)} values for {len(completions)} completions")
     limit = 0 if task.reward_fn in (exact, math_reward) else task.user_timeout
+    deadline = time.monotonic() + (limit or math.inf)  # one budget for the batch and the probe that follows it
 
     def call(rows, timeout):
         kw = copy.deepcopy(
@@ -369,38 +373,38 @@ def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
                 **{k: [v[i] for i in rows] for k, v in columns.items() if k not in ("prompt", "answer")},
             }
         )
-        return call_user(
-            task.reward_fn, [completions[i] for i in rows], **kw, timeout=timeout, what=f"reward function {fn}"
-        )
+        return call_user(task.reward_fn, [completions[i] for i in rows], **kw, timeout=timeout, what=what)
 
     try:
         rewards = call(range(len(completions)), limit)
+    except UserTimeout as e:  # the budget is spent: a probe would wait as long again, and the run stops anyway
+        raise RuntimeError(
+            failure(what, e, f"a batch of {len(completions)} samples")
+            + f" (a batch's reward calls get {limit:g} s in all: raise --user-timeout, or 0 for no limit)"
+        ) from e
     except Exception as e:
-        deadline = time.monotonic() + (limit or math.inf)
-        in_batch = failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples")
+        in_batch = failure(what, e, f"a batch of {len(completions)} samples")
         for i, c in enumerate(completions):  # find the sample that breaks it
             sample = f"sample {i} (completion {c!r}, answer {columns['answer'][i]!r})"
+            ran_out = f"when the batch's {limit:g} s (--user-timeout) ran out" + (
+                " (the samples before it passed alone)" if i else ""
+            )
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(
-                    f"{in_batch}; alone, samples 0-{i - 1} returned within one more {limit:g} s, "
-                    f"{sample} had not started"
-                ) from e
+                raise RuntimeError(f"{in_batch}; alone, {sample} had not started {ran_out}") from e
             try:
                 call([i], left if limit else 0)
             except UserTimeout as e1:
-                raise RuntimeError(
-                    f"{in_batch}; alone, {sample} was still running when one more {limit:g} s ran out"
-                ) from e1
+                raise RuntimeError(f"{in_batch}; alone, {sample} was still running {ran_out}") from e1
             except Exception as e1:
-                raise RuntimeError(failure(f"reward function {fn}", e1, sample)) from e1
+                raise RuntimeError(failure(what, e1, sample)) from e1
         raise RuntimeError(
-            failure(f"reward function {fn}", e, "the batch") + f" (each of its {len(completions)} samples alone passed)"
+            failure(what, e, "the batch") + f" (each of its {len(completions)} samples alone passed)"
         ) from e
     n = len(rewards) if hasattr(rewards, "__len__") else None
     if n != len(completions):
         raise RuntimeError(
-            f"reward function {fn} returned {type(rewards).__name__} of length {n} for {len(completions)} "
+            f"{what} returned {type(rewards).__name__} of length {n} for {len(completions)} "
             "completions; it must return one float, None or dict per completion"
         )
     f32_max = torch.finfo(torch.float32).max
