@@ -6,7 +6,9 @@ One signature for every reward, built-in or yours:
 
 `completions` are the decoded responses; `prompts` the prompts as the data holds them (a string, or a list
 of chat messages); `answer` the reference answers; every other dataset column arrives by name as a list
-aligned with `completions` (the internal `where` column is not passed). One item per completion:
+aligned with `completions` (the internal `where` column is not passed). One item per completion, in their order, in a
+list, a tuple or a 1-D array (numpy, torch) of that length (per_sample; a dict, a set, a string or an iterator is
+refused):
 
     a number   the reward (finite in float32)
     None       no reward for this sample: it is left out of training (docs/algorithms.md, section 3)
@@ -31,10 +33,12 @@ import numbers
 import os
 import queue
 import re
+import reprlib
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Callable, Hashable, NamedTuple
 
 import torch
@@ -348,6 +352,40 @@ def reward_columns(ds, n: int = 1) -> dict[str, list]:
     return {k: [v for v in ds[k] for _ in range(n)] for k in ds.column_names if k != "where"}
 
 
+def per_sample(rewards, n: int, what: str) -> list:
+    """The n per-sample results of a reward's return value `rewards`, in the order of the completions: a list, a tuple
+    (any Sequence but str and bytes) or a 1-D array (numpy, torch) of length n. Anything else is a RuntimeError
+    naming `what`, the type and a short repr: a Mapping would be read as its keys, a set in hash order, a string as
+    its characters, an iterator's items computed here, outside --user-timeout; a wrong length matches no sample."""
+    kind = type(rewards).__name__
+    array = hasattr(rewards, "ndim") and hasattr(rewards, "tolist")  # numpy, torch: tolist gives Python numbers
+    if array:
+        shape = tuple(rewards.shape)
+        ok = shape == (n,)
+        kind += f" of shape {shape}"
+    else:
+        ok = isinstance(rewards, Sequence) and not isinstance(rewards, (str, bytes, bytearray, memoryview))
+        ok = ok and len(rewards) == n
+        if hasattr(rewards, "__len__"):
+            kind += f" of length {len(rewards)}"
+    if ok:
+        return rewards.tolist() if array else list(rewards)
+    why = ""
+    if isinstance(rewards, Mapping):
+        why = " (a mapping: it would be read as its keys)"
+    elif isinstance(rewards, (set, frozenset)):
+        why = " (a set: it has no order)"
+    elif isinstance(rewards, (str, bytes, bytearray)):
+        why = " (a string: it would be read as its characters)"
+    elif isinstance(rewards, Iterator):
+        why = " (an iterator: its items would be computed outside --user-timeout)"
+    shown = " ".join(reprlib.repr(rewards).split())  # on one line: a 2-D array's repr has several
+    raise RuntimeError(
+        f"{what} returned {kind} for {n} completions{why}: {shown}; it must return a list (or a tuple, a 1-D numpy "
+        "array or torch tensor) of one float, None or dict per completion, in their order"
+    )
+
+
 def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
     """Run the task's reward function (task: a data.tasks.Task) on copies of the completions and of the dataset columns
     aligned with them ("prompt" and "answer" among them; reward_columns): fn(completions, prompts=, answer=, **other
@@ -355,8 +393,8 @@ def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
     with task.user_timeout (call_user; the built-in rewards run in this thread: they cannot hang). When the call
     raises, the samples are tried one by one to name the first that fails alone, within what is left of the same
     time limit; a call past the limit is not retried, so a reward that hangs stops the run after one --user-timeout.
-    Refuses anything but one finite number, None or dict with "score" per completion, naming the function and the
-    sample."""
+    Refuses anything but a sequence (per_sample) of one finite number, None or dict with "score" per completion,
+    naming the function and the sample."""
     fn = getattr(task.reward_fn, "__name__", repr(task.reward_fn))
     what = f"reward function {fn}"
     for k, v in columns.items():
@@ -401,12 +439,7 @@ def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
         raise RuntimeError(
             failure(what, e, "the batch") + f" (each of its {len(completions)} samples alone passed)"
         ) from e
-    n = len(rewards) if hasattr(rewards, "__len__") else None
-    if n != len(completions):
-        raise RuntimeError(
-            f"{what} returned {type(rewards).__name__} of length {n} for {len(completions)} "
-            "completions; it must return one float, None or dict per completion"
-        )
+    rewards = per_sample(rewards, len(completions), what)
     f32_max = torch.finfo(torch.float32).max
     values, extras = [], []
     for i, r in enumerate(rewards):

@@ -11,7 +11,9 @@ import time
 import warnings
 
 import datasets
+import numpy as np
 import pytest
+import torch
 
 import agent
 import data.rewards as R
@@ -114,6 +116,68 @@ def test_reward_that_hangs_stops_within_one_timeout(tmp_path, how):
         release.set()
     assert log.read_text().split() == (["2", "1", "1"] if how.startswith("raises") else ["2"])
     assert elapsed < 1.5
+
+
+def _gen(completions):
+    return (1.0 for _ in completions)
+
+
+@pytest.mark.parametrize(
+    "returned,msg",
+    [
+        ({0: 1.0, 1: 0.0}, r"dict of length 2 for 2 completions \(a mapping: it would be read as its keys\): \{0: 1.0"),
+        ({0.0, 1.0}, r"set of length 2 for 2 completions \(a set: it has no order\): \{"),
+        (frozenset({0.0, 1.0}), r"frozenset of length 2 for 2 completions \(a set: it has no order\)"),
+        ("10", r"str of length 2 for 2 completions \(a string: it would be read as its characters\): '10'"),
+        (b"\x01\x00", r"bytes of length 2 for 2 completions \(a string: .*\): b'\\x01\\x00'"),
+        (_gen, r"generator for 2 completions \(an iterator: its items would be computed outside --user-timeout\)"),
+        (1.0, r"float for 2 completions: 1.0;"),
+        ([1.0], r"list of length 1 for 2 completions: \[1.0\];"),
+        (np.array(1.0), r"ndarray of shape \(\) for 2 completions"),
+        (np.ones((2, 1)), r"ndarray of shape \(2, 1\) for 2 completions"),
+        (torch.ones(3), r"Tensor of shape \(3,\) for 2 completions"),
+    ],
+    ids=[
+        "dict",
+        "set",
+        "frozenset",
+        "str",
+        "bytes",
+        "generator",
+        "float",
+        "short list",
+        "0-d array",
+        "2-d array",
+        "long tensor",
+    ],
+)
+def test_reward_return_must_be_one_ordered_item_per_completion(returned, msg):
+    """A dict {index: score} was trained on as its keys, a set in hash order, bytes as their byte values: each is
+    refused, naming the reward, the type, a short repr and what it must return."""
+
+    def reward(completions, **_):
+        return returned(completions) if callable(returned) else returned
+
+    with pytest.raises(RuntimeError, match=r"^reward function reward returned " + msg + r".*it must return a list"):
+        score(task(reward), ["a", "b"], cols())
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [
+        [0.5, None],
+        (0.5, None),
+        np.array([0.5, None], dtype=object),
+        [{"score": 0.5, "pred": "x"}, {"score": None}],
+        np.array([0.5, 0.0], dtype=np.float32),
+        torch.tensor([0.5, 0.0], dtype=torch.bfloat16),
+    ],
+    ids=["list", "tuple", "object array", "dicts", "float32 array", "bf16 tensor"],
+)
+def test_reward_may_return_a_list_tuple_or_1d_array(returned):
+    sc = score(task(lambda completions, **_: returned), ["a", "b"], cols())
+    assert sc.rewards.tolist() == [0.5, 0.0]
+    assert sc.rewarded.tolist() == [True, not (returned[1] is None or isinstance(returned[1], dict))]
 
 
 def test_reward_gets_copies():
