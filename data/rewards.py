@@ -6,7 +6,9 @@ One signature for every reward, built-in or yours:
 
 `completions` are the decoded responses; `prompts` the prompts as the data holds them (a string, or a list
 of chat messages); `answer` the reference answers; every other dataset column arrives by name as a list
-aligned with `completions` (the internal `where` column is not passed). One item per completion:
+aligned with `completions` (the internal `where` column is not passed). One item per completion, in their order, in a
+list, a tuple or a 1-D array (numpy, torch) of that length (per_sample; a dict, a set, a string or an iterator is
+refused):
 
     a number   the reward (finite in float32)
     None       no reward for this sample: it is left out of training (docs/algorithms.md, section 3)
@@ -17,7 +19,7 @@ aligned with `completions` (the internal `where` column is not passed). One item
 "path/to/file.py:function" or "package.module:function"; `check_reward` checks, before any model loads, that it can
 take the columns of the data. `score` runs a task's reward on copies of the completions and columns and checks what
 it returns. `call_user` is how user code (a reward, an environment's methods) runs: in a worker thread, with a time
-limit (--user-timeout), and a sys.exit inside it is an error.
+limit (--user-timeout), and a sys.exit inside it is an error, as it is at import (import_target).
 """
 
 import copy
@@ -31,10 +33,12 @@ import numbers
 import os
 import queue
 import re
+import reprlib
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Callable, Hashable, NamedTuple
 
 import torch
@@ -117,13 +121,20 @@ def math_reward(completions: list[str], *, answer: list[str], **columns) -> list
 
 
 SPEC_FORMS = "'' or 'exact' (exact match), 'math', 'path/to/file.py:function' or 'package.module:function'"
+_EXIT_HINT = " (user code must return or raise an Exception: the run stops here)"
+
+
+def exited(e: BaseException) -> str:
+    """What user code did that raised `e`, a BaseException that is not an Exception, as a verb phrase."""
+    return f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {e!r}"
 
 
 @functools.cache
 def import_target(spec: str, flag: str, noun: str, forms: str):
     """(module, where, name) for a plug-in named 'path/to/file.py:name' or 'package.module:name' (--reward, --env).
-    A file is executed once per process (cached). A bad form, a missing file or module, one that fails to import:
-    a ValueError naming the flag."""
+    A file is executed once per process (cached). A bad form, a missing file or module, one that fails to import,
+    raising anything but KeyboardInterrupt (sys.exit included, which would otherwise end the run with its status):
+    a ValueError naming the flag and the file."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise ValueError(f"{flag} {spec!r} is not {noun}: give {forms}")
@@ -136,16 +147,30 @@ def import_target(spec: str, flag: str, noun: str, forms: str):
         sys.modules[mod_name] = module  # so dataclasses and pickling inside the file work
         try:
             mspec.loader.exec_module(module)
-        except Exception as e:
+        except BaseException as e:  # sys.exit at its top level included: it would end the run with its status
             del sys.modules[mod_name]
-            raise ValueError(f"{flag} {spec!r}: running {where} raised {e!r}") from e
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            if isinstance(e, Exception):
+                raise ValueError(f"{flag} {spec!r}: running {where} raised {e!r}") from e
+            raise ValueError(
+                f"{flag} {spec!r}: {where} {exited(e)} at import (a file given to {flag} must not exit when "
+                "imported: the run stops here)"
+            ) from e
         return module, where, name
     try:
         return importlib.import_module(where), where, name
+    except KeyboardInterrupt:
+        raise
     except Exception as e:
         raise ValueError(
             f"{flag} {spec!r}: cannot import module {where!r} ({e!r}); give a module on the Python path "
             "or a path to a .py file"
+        ) from e
+    except BaseException as e:
+        raise ValueError(
+            f"{flag} {spec!r}: module {where!r} {exited(e)} at import (a module given to {flag} must not exit "
+            "when imported: the run stops here)"
         ) from e
 
 
@@ -247,8 +272,7 @@ def call_user(fn: Callable, *args, timeout: float, what: str, flag: str = "--use
         return out
     if isinstance(out, (Exception, KeyboardInterrupt)):
         raise out
-    why = f"called sys.exit({out.code!r})" if isinstance(out, SystemExit) else f"raised {out!r}"
-    raise UserCodeError(what, why + " (user code must return or raise an Exception: the run stops here)") from out
+    raise UserCodeError(what, exited(out) + _EXIT_HINT) from out
 
 
 def failure(what: str, e: BaseException, where: str) -> str:
@@ -328,18 +352,56 @@ def reward_columns(ds, n: int = 1) -> dict[str, list]:
     return {k: [v for v in ds[k] for _ in range(n)] for k in ds.column_names if k != "where"}
 
 
+def per_sample(rewards, n: int, what: str) -> list:
+    """The n per-sample results of a reward's return value `rewards`, in the order of the completions: a list, a tuple
+    (any Sequence but str and bytes) or a 1-D array (numpy, torch) of length n. Anything else is a RuntimeError
+    naming `what`, the type and a short repr: a Mapping would be read as its keys, a set in hash order, a string as
+    its characters, an iterator's items computed here, outside --user-timeout; a wrong length matches no sample."""
+    kind = type(rewards).__name__
+    array = hasattr(rewards, "ndim") and hasattr(rewards, "tolist")  # numpy, torch: tolist gives Python numbers
+    if array:
+        shape = tuple(rewards.shape)
+        ok = shape == (n,)
+        kind += f" of shape {shape}"
+    else:
+        ok = isinstance(rewards, Sequence) and not isinstance(rewards, (str, bytes, bytearray, memoryview))
+        ok = ok and len(rewards) == n
+        if hasattr(rewards, "__len__"):
+            kind += f" of length {len(rewards)}"
+    if ok:
+        return rewards.tolist() if array else list(rewards)
+    why = ""
+    if isinstance(rewards, Mapping):
+        why = " (a mapping: it would be read as its keys)"
+    elif isinstance(rewards, (set, frozenset)):
+        why = " (a set: it has no order)"
+    elif isinstance(rewards, (str, bytes, bytearray)):
+        why = " (a string: it would be read as its characters)"
+    elif isinstance(rewards, Iterator):
+        why = " (an iterator: its items would be computed outside --user-timeout)"
+    shown = " ".join(reprlib.repr(rewards).split())  # on one line: a 2-D array's repr has several
+    raise RuntimeError(
+        f"{what} returned {kind} for {n} completions{why}: {shown}; it must return a list (or a tuple, a 1-D numpy "
+        "array or torch tensor) of one float, None or dict per completion, in their order"
+    )
+
+
 def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
     """Run the task's reward function (task: a data.tasks.Task) on copies of the completions and of the dataset columns
     aligned with them ("prompt" and "answer" among them; reward_columns): fn(completions, prompts=, answer=, **other
     columns), so a reward that edits them changes neither training nor the samples file. One call over the batch,
-    with task.user_timeout (call_user; the built-in rewards run in this thread: they cannot hang). When it fails, the
-    samples are tried one by one within one more timeout to name the first that fails alone. Refuses anything but one
-    finite number, None or dict with "score" per completion, naming the function and the sample."""
+    with task.user_timeout (call_user; the built-in rewards run in this thread: they cannot hang). When the call
+    raises, the samples are tried one by one to name the first that fails alone, within what is left of the same
+    time limit; a call past the limit is not retried, so a reward that hangs stops the run after one --user-timeout.
+    Refuses anything but a sequence (per_sample) of one finite number, None or dict with "score" per completion,
+    naming the function and the sample."""
     fn = getattr(task.reward_fn, "__name__", repr(task.reward_fn))
+    what = f"reward function {fn}"
     for k, v in columns.items():
         if len(v) != len(completions):
             raise ValueError(f"score: column {k!r} has {len(v)} values for {len(completions)} completions")
     limit = 0 if task.reward_fn in (exact, math_reward) else task.user_timeout
+    deadline = time.monotonic() + (limit or math.inf)  # one budget for the batch and the probe that follows it
 
     def call(rows, timeout):
         kw = copy.deepcopy(
@@ -349,40 +411,35 @@ def score(task, completions: list[str], columns: dict[str, list]) -> Scores:
                 **{k: [v[i] for i in rows] for k, v in columns.items() if k not in ("prompt", "answer")},
             }
         )
-        return call_user(
-            task.reward_fn, [completions[i] for i in rows], **kw, timeout=timeout, what=f"reward function {fn}"
-        )
+        return call_user(task.reward_fn, [completions[i] for i in rows], **kw, timeout=timeout, what=what)
 
     try:
         rewards = call(range(len(completions)), limit)
+    except UserTimeout as e:  # the budget is spent: a probe would wait as long again, and the run stops anyway
+        raise RuntimeError(
+            failure(what, e, f"a batch of {len(completions)} samples")
+            + f" (a batch's reward calls get {limit:g} s in all: raise --user-timeout, or 0 for no limit)"
+        ) from e
     except Exception as e:
-        deadline = time.monotonic() + (limit or math.inf)
-        in_batch = failure(f"reward function {fn}", e, f"a batch of {len(completions)} samples")
+        in_batch = failure(what, e, f"a batch of {len(completions)} samples")
         for i, c in enumerate(completions):  # find the sample that breaks it
             sample = f"sample {i} (completion {c!r}, answer {columns['answer'][i]!r})"
+            ran_out = f"when the batch's {limit:g} s (--user-timeout) ran out" + (
+                " (the samples before it passed alone)" if i else ""
+            )
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(
-                    f"{in_batch}; alone, samples 0-{i - 1} returned within one more {limit:g} s, "
-                    f"{sample} had not started"
-                ) from e
+                raise RuntimeError(f"{in_batch}; alone, {sample} had not started {ran_out}") from e
             try:
                 call([i], left if limit else 0)
             except UserTimeout as e1:
-                raise RuntimeError(
-                    f"{in_batch}; alone, {sample} was still running when one more {limit:g} s ran out"
-                ) from e1
+                raise RuntimeError(f"{in_batch}; alone, {sample} was still running {ran_out}") from e1
             except Exception as e1:
-                raise RuntimeError(failure(f"reward function {fn}", e1, sample)) from e1
+                raise RuntimeError(failure(what, e1, sample)) from e1
         raise RuntimeError(
-            failure(f"reward function {fn}", e, "the batch") + f" (each of its {len(completions)} samples alone passed)"
+            failure(what, e, "the batch") + f" (each of its {len(completions)} samples alone passed)"
         ) from e
-    n = len(rewards) if hasattr(rewards, "__len__") else None
-    if n != len(completions):
-        raise RuntimeError(
-            f"reward function {fn} returned {type(rewards).__name__} of length {n} for {len(completions)} "
-            "completions; it must return one float, None or dict per completion"
-        )
+    rewards = per_sample(rewards, len(completions), what)
     f32_max = torch.finfo(torch.float32).max
     values, extras = [], []
     for i, r in enumerate(rewards):

@@ -5,11 +5,15 @@ data.rewards.score and agent.run_episodes, then three runs of train_ppo.py (e2e)
 message, time."""
 
 import copy
+import re
+import threading
 import time
 import warnings
 
 import datasets
+import numpy as np
 import pytest
+import torch
 
 import agent
 import data.rewards as R
@@ -42,18 +46,6 @@ def plugin(tmp_path, source: str, name: str) -> str:
 # ----------------------------------------------------------------------------- rewards
 
 
-def sleepy(completions, **_):
-    time.sleep(4)  # longer than the 1 s limit and its probe; ends by itself, so no thread outlives the test by much
-    return [1.0] * len(completions)
-
-
-def spinning(completions, **_):
-    end = time.monotonic() + 4
-    while time.monotonic() < end:  # a busy loop: holds the GIL in turns, never sleeps
-        pass
-    return [1.0] * len(completions)
-
-
 def exits(completions, **_):
     import sys
 
@@ -66,24 +58,9 @@ def exits_on_b(completions, **_):
     return [1.0] * len(completions)
 
 
-def slow_on_b(completions, **_):
-    time.sleep(4 if "b" in completions else 0)
-    return [1.0] * len(completions)
-
-
 @pytest.mark.parametrize(
     "fn,msg",
     [
-        (
-            sleepy,
-            r"reward function sleepy did not return within 1 s \(--user-timeout\) on a batch of 2 samples; alone, sample 0 "
-            r"\(completion 'a', answer 'a0'\) was still running when one more 1 s ran out",
-        ),
-        (spinning, r"reward function spinning did not return within 1 s \(--user-timeout\) on a batch of 2 samples"),
-        (
-            slow_on_b,
-            r"slow_on_b did not return within 1 s .* on a batch of 2 samples; alone, sample 1 \(completion 'b'",
-        ),
         (
             exits,
             r"reward function exits called sys.exit\(0\) \(user code must return or raise an Exception.*\) on sample 0 "
@@ -93,11 +70,114 @@ def slow_on_b(completions, **_):
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
-def test_reward_that_hangs_spins_or_exits_is_an_error_naming_it(fn, msg):
-    t = time.monotonic()
+def test_reward_that_exits_is_an_error_naming_it_and_the_sample(fn, msg):
     with pytest.raises(RuntimeError, match=msg):
         score(task(fn), ["a", "b"], cols())
-    assert time.monotonic() - t < 3.5  # the batch's limit and one more for the probe, not the 4 s the calls take
+
+
+@pytest.mark.parametrize("how", ["sleeps", "spins", "raises then sleeps alone"])
+def test_reward_that_hangs_stops_within_one_timeout(tmp_path, how):
+    """A reward past --user-timeout is not retried sample by sample (which waited one more timeout); one that raises on
+    the batch is, to name the sample, within what is left of the same limit. The reward logs each call as it starts
+    and waits on `release` (set at the end, so no thread outlives the test). The time bound cannot pass on the old
+    behaviour, whose second wait starts only after the first ended: at least 2 s here (1.7 s for the third case),
+    whatever the machine. On the new it is one Event.wait(1 s) plus microseconds of work (two tiny deep copies, a
+    queue hand-off): the 0.5 s slack is thousands of times that work."""
+    log = tmp_path / "calls"
+    release = threading.Event()
+
+    def hang(completions, **_):
+        with log.open("a") as f:
+            f.write(f"{len(completions)}\n")
+        if how == "spins":
+            while not release.is_set():  # a busy loop: holds the GIL in turns, never sleeps
+                pass
+        elif how == "sleeps" or completions == ["b"]:
+            release.wait()
+        elif len(completions) == 2:
+            time.sleep(0.7)  # most of the budget, then an error: the probe gets only what is left
+            raise ValueError("bad batch")
+        return [1.0] * len(completions)
+
+    msg = {
+        "sleeps": r"reward function hang did not return within 1 s \(--user-timeout\) on a batch of 2 samples "
+        r"\(a batch's reward calls get 1 s in all: raise --user-timeout, or 0 for no limit\)$",
+        "raises then sleeps alone": r"reward function hang raised on a batch of 2 samples: ValueError\('bad batch'\); "
+        r"alone, sample 1 \(completion 'b', answer 'a1'\) was still running when the batch's 1 s "
+        r"\(--user-timeout\) ran out \(the samples before it passed alone\)$",
+    }
+    msg["spins"] = msg["sleeps"]
+    t = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=msg[how]):
+            score(task(hang), ["a", "b"], cols())
+        elapsed = time.monotonic() - t
+    finally:
+        release.set()
+    assert log.read_text().split() == (["2", "1", "1"] if how.startswith("raises") else ["2"])
+    assert elapsed < 1.5
+
+
+def _gen(completions):
+    return (1.0 for _ in completions)
+
+
+@pytest.mark.parametrize(
+    "returned,msg",
+    [
+        ({0: 1.0, 1: 0.0}, r"dict of length 2 for 2 completions \(a mapping: it would be read as its keys\): \{0: 1.0"),
+        ({0.0, 1.0}, r"set of length 2 for 2 completions \(a set: it has no order\): \{"),
+        (frozenset({0.0, 1.0}), r"frozenset of length 2 for 2 completions \(a set: it has no order\)"),
+        ("10", r"str of length 2 for 2 completions \(a string: it would be read as its characters\): '10'"),
+        (b"\x01\x00", r"bytes of length 2 for 2 completions \(a string: .*\): b'\\x01\\x00'"),
+        (_gen, r"generator for 2 completions \(an iterator: its items would be computed outside --user-timeout\)"),
+        (1.0, r"float for 2 completions: 1.0;"),
+        ([1.0], r"list of length 1 for 2 completions: \[1.0\];"),
+        (np.array(1.0), r"ndarray of shape \(\) for 2 completions"),
+        (np.ones((2, 1)), r"ndarray of shape \(2, 1\) for 2 completions"),
+        (torch.ones(3), r"Tensor of shape \(3,\) for 2 completions"),
+    ],
+    ids=[
+        "dict",
+        "set",
+        "frozenset",
+        "str",
+        "bytes",
+        "generator",
+        "float",
+        "short list",
+        "0-d array",
+        "2-d array",
+        "long tensor",
+    ],
+)
+def test_reward_return_must_be_one_ordered_item_per_completion(returned, msg):
+    """A dict {index: score} was trained on as its keys, a set in hash order, bytes as their byte values: each is
+    refused, naming the reward, the type, a short repr and what it must return."""
+
+    def reward(completions, **_):
+        return returned(completions) if callable(returned) else returned
+
+    with pytest.raises(RuntimeError, match=r"^reward function reward returned " + msg + r".*it must return a list"):
+        score(task(reward), ["a", "b"], cols())
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [
+        [0.5, None],
+        (0.5, None),
+        np.array([0.5, None], dtype=object),
+        [{"score": 0.5, "pred": "x"}, {"score": None}],
+        np.array([0.5, 0.0], dtype=np.float32),
+        torch.tensor([0.5, 0.0], dtype=torch.bfloat16),
+    ],
+    ids=["list", "tuple", "object array", "dicts", "float32 array", "bf16 tensor"],
+)
+def test_reward_may_return_a_list_tuple_or_1d_array(returned):
+    sc = score(task(lambda completions, **_: returned), ["a", "b"], cols())
+    assert sc.rewards.tolist() == [0.5, 0.0]
+    assert sc.rewarded.tolist() == [True, not (returned[1] is None or isinstance(returned[1], dict))]
 
 
 def test_reward_gets_copies():
@@ -195,12 +275,62 @@ def test_reward_signature_is_checked_against_the_data_before_any_model(tmp_path,
     def no_model(*a, **k):
         raise AssertionError("a model was built or loaded before the reward was checked")
 
+    # "before any model" is checked by these stand-ins, not by the time the refusal takes: with a model built or
+    # loaded first, main raises their AssertionError, not the ValueError.
     monkeypatch.setattr(train_ppo, "build_models", no_model)
     monkeypatch.setattr("data.tiny.default_model", no_model)
-    t = time.monotonic()
     with pytest.raises(ValueError, match="--reward: the reward function no_prompts cannot take"):
         train_ppo.main(small(tmp_path / "run", task=str(data), reward=f"{f}:no_prompts"))
-    assert time.monotonic() - t < 30
+
+
+@pytest.mark.parametrize(
+    "case,source,msg",
+    [
+        ("exit0", "import sys\nsys.exit(0)\n", "called sys.exit(0) at import"),
+        ("exitstr", "raise SystemExit('bye')\n", "called sys.exit('bye') at import"),
+        ("base", "raise BaseException('odd')\n", "raised BaseException('odd') at import"),
+    ],
+    ids=["sys.exit(0)", "SystemExit('bye')", "BaseException"],
+)
+@pytest.mark.parametrize("flag", ["--reward", "--env"])
+def test_user_file_that_exits_at_import_is_an_error_naming_flag_and_file(
+    tmp_path, monkeypatch, flag, case, source, msg
+):
+    """sys.exit at a reward's or environment's top level ended the run with that status (0: nothing printed), as a
+    SystemExit is no Exception; it is now a ValueError naming the flag and the file, from a file or a module."""
+    load = R.load_reward if flag == "--reward" else agent.load_env
+    name = f"{case}_{flag[2:]}"  # a module of its own per case
+    f = tmp_path / f"{name}.py"
+    f.write_text(source)
+    with pytest.raises(
+        ValueError, match=rf"^{flag} '.*{name}.py:fn': .*{name}.py {re.escape(msg)} \(a file given to {flag} must not"
+    ):
+        load(f"{f}:fn")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        ValueError, match=rf"^{flag} '{name}:fn': module '{name}' {re.escape(msg)} \(a module given to {flag}"
+    ):
+        load(f"{name}:fn")
+
+
+def test_run_whose_reward_file_exits_at_import_stops_before_any_model(tmp_path, monkeypatch):
+    f = tmp_path / "bye.py"
+    f.write_text("import sys\nsys.exit(0)\n")
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built or loaded before the reward file was imported")
+
+    monkeypatch.setattr(train_ppo, "build_models", no_model)
+    monkeypatch.setattr("data.tiny.default_model", no_model)
+    with pytest.raises(ValueError, match=r"invalid configuration:\n  --reward '.*bye.py:fn': .*bye.py called "):
+        train_ppo.main(small(tmp_path / "run", reward=f"{f}:fn"))
+
+
+def test_keyboard_interrupt_at_import_passes_through(tmp_path):
+    f = tmp_path / "ctrl_c.py"
+    f.write_text("raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt):
+        R.load_reward(f"{f}:fn")
 
 
 def test_call_user_passes_values_and_exceptions_through():
