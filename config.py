@@ -575,12 +575,6 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
         )
     if bad := safetensors_problem(path):
         raise ValueError(f"{name}: {bad}")
-    with torch.device("meta"):  # a weightless copy: the shapes config.json gives, with nothing allocated
-        shapes = AutoModelForCausalLM.from_config(mc)
-    if bad := shape_problem(path, shapes):
-        raise ValueError(f"{name}: {bad}. Fix its config.json or the weights")
-    if cfg.tp > 1:  # the head counts against --tp
-        check_tp(shapes, cfg.tp)
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (
@@ -592,6 +586,15 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
         ) from e
     if len(tok) > mc.vocab_size:
         raise ValueError(f"{name}: the tokenizer has {len(tok)} tokens but the model's vocabulary only {mc.vocab_size}")
+    try:
+        with torch.device("meta"):  # a weightless copy: the shapes config.json gives, with nothing allocated
+            shapes = AutoModelForCausalLM.from_config(mc)
+    except Exception as e:  # transformers' own asserts (a pad id past the vocabulary) name neither flag nor file
+        raise ValueError(f"{name}: its config.json does not build a model ({type(e).__name__}: {e})") from e
+    if bad := shape_problem(path, shapes):
+        raise ValueError(f"{name}: {bad}. Fix its config.json or the weights")
+    if cfg.tp > 1:  # the head counts against --tp
+        check_tp(shapes, cfg.tp)
     if tok.eos_token_id is None or not tok.chat_template:
         raise ValueError(
             f"{name}: the tokenizer needs an EOS token and a chat template (responses stop at EOS; prompts are chat turns)"
