@@ -20,11 +20,19 @@ $(SGL_VENV)/.installed: scripts/install_sglang_cpu.sh scripts/sglang_cpu/constra
 	VENV=$(SGL_VENV) bash scripts/install_sglang_cpu.sh
 	touch $@
 
-.PHONY: venv sglang train lint test test-core test-sglang test-fast
-venv: $(VENV)/.installed
+.PHONY: venv sandbox sglang train lint test test-core test-sglang test-fast
+venv: sandbox $(VENV)/.installed
 sglang: $(SGL_VENV)/.installed
 
-train: $(VENV)/.installed
+# The python tool's sandbox (sandbox.py) runs programs under bubblewrap: installed where bwrap is missing when we are
+# root on Debian/Ubuntu (CI); anyone else gets the command to run.
+BWRAP_MISSING := the python tool's sandbox needs bubblewrap (bwrap), not found: run sudo apt-get install -y bubblewrap
+sandbox:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; }; } || \
+		{ echo "$(BWRAP_MISSING) (Debian/Ubuntu; elsewhere your package manager's bubblewrap)"; exit 1; }
+
+train: sandbox $(VENV)/.installed
 	bash runs/cpu.sh
 
 # Tiers (markers, tests/conftest.py): the fast tier is every test that is not e2e (a training run or a subprocess job),
@@ -43,11 +51,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-test-core: $(VENV)/.installed
+test-core: sandbox $(VENV)/.installed
 	$(REQUIRE) $(PY) -m pytest -q -m "not sglang"
 
 # Under `make -j2 test` (CI) the SGLang venv is built while test-core runs; its tests start once test-core's are done.
-test-sglang: $(SGL_VENV)/.installed | $(if $(filter test,$(MAKECMDGOALS)),test-core)
+test-sglang: sandbox $(SGL_VENV)/.installed | $(if $(filter test,$(MAKECMDGOALS)),test-core)
 	$(REQUIRE) $(SGL_VENV)/bin/python -m pytest -q -m "sglang or ($(FAST))"
 
 # Unit tests only, for the edit-test loop: under a minute on 2 cores (the first run also builds the tiny default model).

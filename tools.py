@@ -25,14 +25,13 @@ import ast
 import json
 import math
 import operator
-import os
 import re
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
+
+import sandbox
 
 PARSERS = ("hermes", "glm")
 
@@ -431,66 +430,60 @@ def _arith(node):
 
 
 @dataclass(frozen=True)
-class PythonLimits:
-    """The python tool's limits (per call)."""
+class PythonLimits(sandbox.Limits):
+    """The python tool's limits (per call): sandbox.Limits (wall clock, CPU, memory and processes of the whole program,
+    its tmpfs, open files, file size), the output, and the one way to run it without the sandbox.
 
-    timeout: float = 5.0  # wall-clock seconds, then the whole process group is killed
-    cpu_seconds: int = 5  # RLIMIT_CPU
-    memory_bytes: int = 512 * 2**20  # RLIMIT_AS
-    open_files: int = 32  # RLIMIT_NOFILE
-    file_bytes: int = 2**20  # RLIMIT_FSIZE: the largest file it may write
-    output_chars: int = 2000  # stdout + stderr, truncated beyond this
+    unsandboxed=True runs the program as a plain subprocess of the trainer, the way this tool did before it had a
+    sandbox, where bwrap or a writable cgroup is missing. It keeps the per-process rlimits (CPU, address space, open
+    files, file size), the wall clock, the empty environment, isolated mode and a fresh temporary working folder, and
+    protects nothing else: the program runs as the trainer's user, reads and writes what that user can (the
+    checkout, the run folder, the venv's site-packages, the home folder), reads the trainer's environment through
+    /proc, uses the network, and a child that calls setsid outlives the call; memory and processes are bounded per
+    process only, and the disk not at all. Only for code you trust."""
+
+    output_chars: int = 2000  # stdout + stderr, cut beyond this
+    unsandboxed: bool = False  # run without the sandbox: not a security boundary (see above)
 
 
 def python(code: str, limits: PythonLimits = PythonLimits()) -> str:
-    """Run a Python program and return what it printed (stdout, then stderr), truncated.
+    """Run a Python program and return what it printed (stdout, then stderr), cut at limits.output_chars.
 
-    Not a security boundary: a separate interpreter in isolated mode (python -I: no user site, no PYTHON* variables,
-    not the current folder on the path), an empty environment, a fresh temporary working folder, resource limits on
-    memory, CPU time, open files and file size, and a wall-clock timeout that kills its whole process group. It can
-    still read what the user running the trainer can read, and use the network. Run untrusted models in a container.
+    A security boundary (sandbox.py, bubblewrap): the program sees the system (/usr, /etc without its secrets) and
+    this Python's base install read-only, no home folder, checkout, run folder or venv, its own PID namespace, no
+    network, an empty environment, and a private tmpfs (64 MiB) as its working folder, the only place it can write.
+    Memory (512 MiB) and processes (32) bound the whole program, with CPU time, open files and file size per process
+    and a 5 s wall clock; every process it started is dead when the call returns, and output past the limit is never
+    read (the program is stopped). It runs the base interpreter in isolated mode (python -I). Where the sandbox
+    cannot run (no bwrap, no namespaces, no writable cgroup) it raises sandbox.SandboxError (a RuntimeError) naming
+    what is missing, unless limits.unsandboxed (not a security boundary, see PythonLimits).
 
     Args:
         code: the Python source to run, e.g. "print(2 ** 10)".
     """
     if not isinstance(code, str):
         raise ValueError(f"python takes the source code as a string, got {type(code).__name__}")
-
-    def limit():  # in the child, before exec
-        import resource
-
-        for what, n, hard in (
-            (resource.RLIMIT_CPU, limits.cpu_seconds, limits.cpu_seconds + 1),  # SIGXCPU first, then SIGKILL
-            (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
-            (resource.RLIMIT_NOFILE, limits.open_files, limits.open_files),
-            (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
-        ):
-            resource.setrlimit(what, (n, hard))
-
-    with tempfile.TemporaryDirectory(prefix="tool-python-") as work:
-        with open(os.path.join(work, "main.py"), "w") as f:
-            f.write(code)
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "main.py"],
-            cwd=work,
-            env={},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            preexec_fn=limit,
-            start_new_session=True,
-        )
-        try:
-            out, err = proc.communicate(timeout=limits.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise ValueError(f"the program ran past the {limits.timeout:g} s time limit and was stopped") from None
-    text = out.decode("utf-8", "replace") + err.decode("utf-8", "replace")
-    if proc.returncode < 0:
-        text += f"\n(killed by signal {signal.Signals(-proc.returncode).name}: a resource limit)"
-    elif proc.returncode:
-        text += f"\n(exit code {proc.returncode})"
-    if len(text) <= limits.output_chars:
-        return text
-    return text[: limits.output_chars] + f"\n... ({len(text) - limits.output_chars} more characters cut)"
+    if limits.unsandboxed:
+        argv, paths = [sys.executable, "-I"], []
+    else:
+        argv, paths = sandbox.interpreter()
+    keep = 4 * limits.output_chars + 16  # bytes: enough for output_chars characters of UTF-8 in either stream
+    r = sandbox.run(
+        [*argv, "main.py"],
+        {"main.py": code},
+        limits,
+        keep_bytes=keep,
+        read_only=paths,
+        sandboxed=not limits.unsandboxed,
+    )
+    if r.timed_out:
+        raise ValueError(f"the program ran past the {limits.timeout:g} s time limit and was stopped")
+    text = r.stdout.decode("utf-8", "replace") + r.stderr.decode("utf-8", "replace")
+    if r.cut or len(text) > limits.output_chars:
+        stopped = "; the program was stopped there" if r.returncode < 0 and r.cut else ""
+        return text[: limits.output_chars] + f"\n(output cut at {limits.output_chars} characters{stopped})"
+    if r.returncode < 0:
+        text += f"\n(killed by signal {signal.Signals(-r.returncode).name}: a resource limit)"
+    elif r.returncode:
+        text += f"\n(exit code {r.returncode})"
+    return text

@@ -6,9 +6,9 @@ differs from it.
 
 Layers, bottom to top, and why in this order:
 - losses, logprobs, moe, parallel, decoder: tensor math, the device mesh, the embedded engine's model.
-- data.rewards, data.guess, data.walk, data.calc, data.rg, data.tasks, tools, chat: prompts, environments (text and
-  tool ones), rewards, reasoning-gym's tasks, tool-call parsers and the built-in tools, turns rendered with the chat
-  template; no model or engine code, and
+- data.rewards, data.guess, data.walk, data.calc, data.rg, data.tasks, sandbox, tools, chat: prompts, environments
+  (text and tool ones), rewards, reasoning-gym's tasks, the python tool's sandbox, tool-call parsers and the built-in
+  tools, turns rendered with the chat template; no model or engine code, and
   agent.py needs data.rewards (--env shares --reward's plug-in loader), so they sit below the engines.
 - rollout: the engine interface (sampling, the rollout records, the protocol) and the weight push.
 - embedded_engine, sglang_engine, agent, vine: the two engines, the multi-turn driver and VinePPO's Monte Carlo values,
@@ -34,7 +34,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("losses", "logprobs", "moe", "parallel", "decoder"),
-    ("data.rewards", "data.guess", "data.walk", "data.calc", "data.rg", "data.tasks", "tools", "chat"),
+    ("data.rewards", "data.guess", "data.walk", "data.calc", "data.rg", "data.tasks", "sandbox", "tools", "chat"),
     ("rollout",),
     ("embedded_engine", "sglang_engine", "agent", "vine"),
     ("data.tiny",),
