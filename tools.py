@@ -285,7 +285,7 @@ class ToolEpisode:
             result = self._user(
                 f".{call.name} (a tool)", lambda: fn(**call.arguments), timeout=lim.timeout, flag="--tool-timeout"
             )
-        except UserCodeError:  # past the time limit, or sys.exit: the run stops, naming the tool
+        except (UserCodeError, sandbox.SandboxError):  # past the time limit, sys.exit, no sandbox: the run stops
             raise
         except Exception as e:  # arguments it cannot take (TypeError) included: the model sees it
             return False, self._cut(f"error: {type(e).__name__}: {e}")

@@ -19,6 +19,7 @@ import uuid
 import pytest
 
 from conftest import ENV, REPO, REQUIRE_EXTRAS
+import sandbox
 from tools import PythonLimits, python
 
 
@@ -282,3 +283,31 @@ def test_bwrap_failing_to_build_the_sandbox_is_an_error_a_program_cannot_fake(sa
         sandbox.run([*argv, "-c", "pass"], {}, sandbox.Limits(), keep_bytes=100, read_only=["/icepop-no-such-path"])
     fake = 'import sys\nsys.stderr.write("bwrap: Can\'t find source path\\n")\nsys.exit(1)'
     assert python(fake) == "bwrap: Can't find source path\n\n(exit code 1)"
+
+
+def test_a_tool_environment_whose_python_tool_has_no_sandbox_stops_the_run(monkeypatch, tmp_path):
+    """Inside a run the missing sandbox is not the model's error to see (ToolEpisode answers a tool's Exception as
+    its output): SandboxError stops the run, with the install command."""
+    import tools
+
+    class Coder:
+        def reset(self, **row):
+            pass
+
+        def python(self, code: str) -> str:
+            """Run a program.
+
+            Args:
+                code: the source.
+            """
+            return tools.python(code)
+
+        def get_reward(self) -> float:
+            return 0.0
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    ep = tools.tool_env(Coder)()
+    ep.reset({"prompt": "go"})
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
+    with pytest.raises(sandbox.SandboxError, match="apt-get install -y bubblewrap"):
+        ep.step(call)
