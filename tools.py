@@ -16,7 +16,11 @@ Parsers, by model family (which parser fits which model):
 
 Model text is never evaluated: JSON goes through json.loads, arithmetic through an AST walk over numbers and
 operators (calculator). A malformed call is an error string in `errors` (for the caller to answer as the tool's output
-and count), never an exception. A call's text outside the tool blocks is `text` (the answer when there is no call).
+and count), never an exception, whatever the text: JSON that json.loads cannot read (an integer of over 4,300 digits,
+nesting near the recursion limit) is a malformed call, and so are hermes arguments that nest lists and objects more
+than MAX_DEPTH (64) levels deep (a glm value nested that deep stays text). Parsing takes time linear in the turn's
+length.
+A call's text outside the tool blocks is `text` (the answer when there is no call).
 """
 
 from __future__ import annotations
@@ -42,9 +46,14 @@ class ToolCall:
     arguments: dict = field(default_factory=dict)
 
 
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-_UNCLOSED = re.compile(r"<tool_call>(?!.*</tool_call>)", re.DOTALL)
+_OPEN = "<tool_call>"
+_CLOSE = "</tool_call>"
+_SPACE = re.compile(r"\s*")  # the whitespace str.strip removes (re's \s and str.isspace agree on every code point)
+# The deepest nesting of lists and objects a call's arguments may have, the arguments object counting 1. A tool gets
+# them, and deeper values reach code that recurses per level up to the recursion limit (1,000 frames): json.loads
+# stops near 1,000 levels, copy.deepcopy near 500 (VinePPO copies environments, with what they kept of their calls),
+# json.dumps, repr and a tool's own walk somewhere below. Real calls nest a few levels.
+MAX_DEPTH = 64
 
 
 def parse_tool_calls(
@@ -52,52 +61,91 @@ def parse_tool_calls(
 ) -> tuple[str, list[ToolCall], list[str]]:
     """(the text outside tool blocks, stripped; the well-formed calls in order; one error message per malformed call)
     of one model turn. schemas: the tools' JSON schemas ({"type": "function", "function": {"name", "parameters"}}, as
-    transformers.utils.get_json_schema writes them), which `glm` reads for the argument types."""
+    transformers.utils.get_json_schema writes them), which `glm` reads for the argument types.
+
+    The blocks are the leftmost non-overlapping <tool_call>...</tool_call>, found with str.find: time linear in the
+    turn's length, whatever the model wrote (a regex with a lazy .*? rescans to the end from every unclosed opening)."""
     if parser not in PARSERS:
         raise ValueError(f"unknown tool parser {parser!r}; expected one of {list(PARSERS)}")
     calls, errors = [], []
     if parser == "glm":
         text = text.replace("<|observation|>", "")
-    for body in _BLOCK.findall(text):
+    outside = []
+    pos = 0
+    while (start := text.find(_OPEN, pos)) != -1 and (end := text.find(_CLOSE, start + len(_OPEN))) != -1:
+        body = text[start + len(_OPEN) : end]
         call = _hermes(body) if parser == "hermes" else _glm(body, schemas or [])
         if isinstance(call, ToolCall):
             calls.append(call)
         else:
             errors.append(call)
-    rest = _BLOCK.sub("", text)
-    if _UNCLOSED.search(rest):
+        outside.append(text[pos:start])
+        pos = end + len(_CLOSE)
+    rest = "".join(outside) + text[pos:]
+    # An opening after the last closing in the text outside the blocks (the two never overlap) is a call the turn did
+    # not close; the text from the first opening on is dropped. Removing a block can join "<tool_" and "call>".
+    if rest.rfind(_OPEN) > rest.rfind(_CLOSE):
         errors.append("a <tool_call> block is not closed with </tool_call>")
-        rest = rest[: rest.index("<tool_call>")]
+        rest = rest[: rest.index(_OPEN)]
     return rest.strip(), calls, errors
 
 
-def _hermes(body: str) -> ToolCall | str:
+def _loads(s: str) -> tuple[object, str | None]:
+    """(json.loads(s), None), or (None, what is wrong with s) when json raises: model text gets an answer, never an
+    exception out of the parser. Besides JSONDecodeError json raises the ValueError of an integer longer than
+    sys.get_int_max_str_digits (4,300 digits) and the RecursionError of nesting near the recursion limit."""
     try:
-        obj = json.loads(body)
+        return json.loads(s), None
     except json.JSONDecodeError as e:
-        return f"the tool call is not valid JSON ({e.msg} at character {e.pos}): {body.strip()[:200]!r}"
+        return None, f"not valid JSON ({e.msg} at character {e.pos})"
+    except RecursionError:
+        return None, "JSON nested too deeply to read"
+    except Exception as e:  # the ValueError of a huge integer, or whatever else json raises
+        return None, f"JSON that json.loads cannot read ({type(e).__name__}: {e})"
+
+
+def _deeper(value, limit: int) -> bool:
+    """Whether lists and dicts nest in `value` more than `limit` levels ([] is 1 level, [[]] 2), walked with a stack of
+    its own: a recursive walk would fail on the values it is here to find."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def _hermes(body: str) -> ToolCall | str:
+    obj, why = _loads(body)
+    if why:
+        return f"the tool call is {why}: {_shown(body)!r}"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return f'the tool call must be a JSON object with a "name" string: {body.strip()[:200]!r}'
+        return f'the tool call must be a JSON object with a "name" string: {_shown(body)!r}'
     args = obj.get("arguments", {})
     if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return f"the tool call's arguments are a string that is not a JSON object: {args[:200]!r}"
+        text = args
+        args, why = _loads(text)
+        if why:
+            return f"the tool call's arguments are a string that is not a JSON object: {text[:200]!r}"
     if not isinstance(args, dict):
         return f'the tool call\'s "arguments" must be an object, got {type(args).__name__}'
+    if _deeper(args, MAX_DEPTH):
+        return f"the tool call's arguments nest lists and objects more than {MAX_DEPTH} levels deep"
     return ToolCall(obj["name"], args)
 
 
 def _glm(body: str, schemas: list[dict]) -> ToolCall | str:
-    name, _, rest = body.partition("<arg_key>")
-    name = name.strip()
+    first = body.find("<arg_key>")
+    name = (body if first == -1 else body[:first]).strip()
     if not name or any(c.isspace() for c in name):
-        return f"the tool call has no function name before its arguments: {body.strip()[:200]!r}"
-    rest = "<arg_key>" + rest if rest else ""
-    pairs = _GLM_ARG.findall(rest)
-    if _GLM_ARG.sub("", rest).strip():
-        return f"the tool call's arguments are not <arg_key>k</arg_key><arg_value>v</arg_value> pairs: {body.strip()[:200]!r}"
+        return f"the tool call has no function name before its arguments: {_shown(body)!r}"
+    pairs = []  # a lone <arg_key> at the end is no argument, as with the regex parser this one replaces
+    if first != -1 and first + len("<arg_key>") < len(body):
+        pairs = _glm_pairs(body, first)
+    if pairs is None:
+        return f"the tool call's arguments are not <arg_key>k</arg_key><arg_value>v</arg_value> pairs: {_shown(body)!r}"
     props = {}  # the called tool's parameter schemas, from the first schema of that name
     for s in schemas:
         if s.get("function", {}).get("name") == name:
@@ -109,11 +157,45 @@ def _glm(body: str, schemas: list[dict]) -> ToolCall | str:
         if props.get(k, {}).get("type") == "string":
             args[k] = v
             continue
-        try:
-            args[k] = json.loads(v)
-        except json.JSONDecodeError:
-            args[k] = v
+        value, why = _loads(v)
+        # not JSON, or nested past the bound (one level is the arguments object): the text itself
+        args[k] = v if why or _deeper(value, MAX_DEPTH - 1) else value
     return ToolCall(name, args)
+
+
+def _glm_pairs(body: str, pos: int) -> list[tuple[str, str]] | None:
+    """The (key, value) pairs of a glm call's arguments (body[pos:], from its first <arg_key> on), as the regex
+    <arg_key>(.*?)</arg_key>\\s*<arg_value>(.*?)</arg_value> finds them, or None when anything but whitespace lies
+    around or between them. In one pass, no regex backtracking: a key runs to the first </arg_key> that whitespace
+    and an <arg_value> follow, with an </arg_value> somewhere after (so a key may hold </arg_key>); its value runs to
+    the first </arg_value>."""
+    last_close = body.rfind("</arg_value>")
+    pairs = []
+    while pos < len(body):
+        if not body.startswith("<arg_key>", pos):
+            return None
+        key_end = body.find("</arg_key>", pos + len("<arg_key>"))
+        while key_end != -1:
+            value_start = _SPACE.match(body, key_end + len("</arg_key>")).end()
+            if body.startswith("<arg_value>", value_start) and last_close >= value_start + len("<arg_value>"):
+                break
+            key_end = body.find("</arg_key>", key_end + 1)
+        if key_end == -1:
+            return None
+        value_start += len("<arg_value>")
+        value_end = body.find("</arg_value>", value_start)
+        pairs.append((body[pos + len("<arg_key>") : key_end], body[value_start:value_end]))
+        pos = _SPACE.match(body, value_end + len("</arg_value>")).end()
+    return pairs
+
+
+def _shown(body: str) -> str:
+    """body.strip()[:200], the start of a malformed call in its error message, without copying all of a long body."""
+    start = _SPACE.match(body).end()
+    head = body[start : start + 200]
+    if _SPACE.match(body, start + 200).end() == len(body):  # only whitespace after the head: the end of the body
+        head = head.rstrip()
+    return head
 
 
 # ----------------------------------------------------------------------------- tool environments
