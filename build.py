@@ -31,6 +31,7 @@ from checkpoint import (
     load_trainer_state,
     lock_run_dir,
     save_checkpoint,
+    sha256_path,
 )
 from config import Config, Plan, check_model, resolve
 from data.rewards import load_reward
@@ -38,8 +39,9 @@ from data.tasks import Task, get_task, prompt_keys, warmup_kind
 from embedded_engine import EmbeddedEngine
 from evaluation import evaluate
 from forward import Forward, check_head
+from lora import LoraSpec, add_lora, load_adapter
 from parallel import Runtime, init_runtime, make_mesh, parallelize, print0
-from rollout import Engine, Sampling
+from rollout import Engine, Sampling, push_weights
 from runlog import RunLog
 from tools import ToolLimits, stop_ids, text_env
 from value_model import PromptBaseline, build_critic, freeze_attention, load_critic, load_policy
@@ -88,6 +90,8 @@ class Models:
     opts: dict  # "policy" (and "critic") AdamW
     path: str  # the folder the policy was loaded from (the engines load it too)
     baseline: PromptBaseline | None  # the per-prompt reward table (Plan.prompt_baseline; in the checkpoint)
+    lora: dict  # {"policy" and/or "critic": lora.LoraSpec}: the models trained as LoRA adapters
+    base: str  # with LoRA: the base model folder's sha256 (a LoRA checkpoint resumes only on it), else ""
 
 
 @dataclass
@@ -201,10 +205,17 @@ def build_models(run: Run, model_path: str, task: Task) -> tuple[Models, Progres
     """Policy, critic, frozen reference (--kl) and optimisers, sharded by the plan, and the loop's counters; restored
     from the checkpoint when resuming."""
     cfg, rt = run.cfg, run.rt
-    path = os.path.join(run.ckpt, "policy") if run.ckpt else model_path
+    specs = lora_specs(cfg)
+    base = sha256_path(model_path) if specs else ""
+    # a LoRA checkpoint holds the adapter only: the base model is loaded, the adapter restored on it
+    path = os.path.join(run.ckpt, "policy") if run.ckpt and "policy" not in specs else model_path
     torch.manual_seed(cfg.seed)
-    policy = load_policy(path, "the checkpoint" if run.ckpt else "--model").to(rt.device)
+    policy = load_policy(path, "the checkpoint" if path != model_path else "--model").to(rt.device)
     policy = moe.install(policy)  # MoE: record / replay routing
+    if "policy" in specs:
+        policy = add_lora(policy, specs["policy"])
+        if run.ckpt:
+            load_adapter(policy, os.path.join(run.ckpt, "policy"), specs["policy"], base)
     check_head(policy)  # on the plain model: a forward under FSDP would leave the root's weights gathered
     if run.share and policy.config._attn_implementation != "sdpa":
         raise ValueError(
@@ -212,13 +223,18 @@ def build_models(run: Run, model_path: str, task: Task) -> tuple[Models, Progres
             f"{policy.config._attn_implementation!r}: pass --no-shared-prefix"
         )
     policy = parallelize(policy, run.tp_mesh, run.fsdp)
-    opts = {"policy": torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)}
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    opts = {"policy": torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=0.0)}
     critic = ref = None
     if run.plan.critic:
-        if run.ckpt:
+        if run.ckpt and "critic" not in specs:
             critic = load_critic(os.path.join(run.ckpt, "critic"), torch.float32)
         else:
             critic = build_critic(model_path, dtype=torch.float32)
+        if "critic" in specs:
+            critic = add_lora(critic, specs["critic"], train=("score.",))
+            if run.ckpt:
+                load_adapter(critic, os.path.join(run.ckpt, "critic"), specs["critic"], base)
         if cfg.freeze_critic_attention:
             freeze_attention(critic)
         critic = parallelize(critic.to(rt.device), run.tp_mesh, run.fsdp)
@@ -249,7 +265,19 @@ def build_models(run: Run, model_path: str, task: Task) -> tuple[Models, Progres
         for k, lr in (("policy", cfg.lr), ("critic", run.plan.critic_lr_used)):  # a changed --lr / --critic-lr applies
             for group in opts[k].param_groups if k in opts else []:
                 group["lr"] = lr
-    return Models(policy, critic, ref, opts, path, baseline), progress
+    return Models(policy, critic, ref, opts, path, baseline, specs, base), progress
+
+
+def lora_specs(cfg: Config) -> dict[str, LoraSpec]:
+    """The LoRA settings of the models trained as adapters (--lora-*, --critic-lora-*)."""
+    specs = {}
+    if cfg.lora_rank:
+        specs["policy"] = LoraSpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target)
+    if cfg.critic_lora_rank:  # config.check_lora: only with a critic
+        specs["critic"] = LoraSpec(
+            cfg.critic_lora_rank, cfg.critic_lora_alpha, cfg.critic_lora_dropout, cfg.critic_lora_target
+        )
+    return specs
 
 
 def build_generation(run: Run, models: Models, task: Task, tok) -> Generation:
@@ -259,6 +287,9 @@ def build_generation(run: Run, models: Models, task: Task, tok) -> Generation:
     eval_engine = engine
     if cfg.eval_dtype == "fp32":
         eval_engine = EmbeddedEngine(models.path, dtype="fp32", device=device) if run.engine_rank else None
+    if run.ckpt and "policy" in models.lora:  # the engines loaded the base: they get the checkpoint's merged weights
+        for e in {id(e): e for e in (engine, eval_engine) if e is not None}.values():
+            push_weights(models.policy, e)
     sampling = Sampling(
         cfg.temperature,
         cfg.top_k,
@@ -364,6 +395,8 @@ def save(run: Run, models: Models, progress: Progress, tok, step: int) -> None:
         tokenizer=tok,
         optimizers=models.opts,
         extra=extra,
+        lora=models.lora,
+        base=models.base,
     )
     progress.saved_at = step
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from lora import ADAPTER_CONFIG, ADAPTER_FILE, save_adapter
 from moe import checkpoint_tensors
 from parallel import full_weights, print0
 
@@ -140,7 +141,8 @@ def shape_problem(folder: str, model: torch.nn.Module) -> str | None:
 def checkpoint_problem(ckpt: str, algo: str = "ppo") -> str | None:
     """Why a checkpoint folder cannot be resumed from, or None. It checks every file a resume loads: meta.json, each
     model folder meta.json lists (older checkpoints: policy, and critic for --algo ppo) with its config.json and
-    model.safetensors (sizes against the header), and every rank's trainer state (CRCs)."""
+    model.safetensors (sizes against the header), or for a LoRA model its adapter.json and adapter.safetensors, and
+    every rank's trainer state (CRCs)."""
     try:
         with open(os.path.join(ckpt, "meta.json")) as f:
             meta = json.load(f)
@@ -153,14 +155,19 @@ def checkpoint_problem(ckpt: str, algo: str = "ppo") -> str | None:
         return f"meta.json is unreadable ({type(e).__name__}: {e})"
     for model in meta.get("models") or (["policy", "critic"] if algo == "ppo" else ["policy"]):
         folder = os.path.join(ckpt, model)
-        for name in ("config.json", "model.safetensors"):
+        files = (
+            (ADAPTER_CONFIG, ADAPTER_FILE)
+            if model in meta.get("adapters", [])
+            else ("config.json", "model.safetensors")
+        )
+        for name in files:
             if not os.path.isfile(os.path.join(folder, name)):
                 return f"{model}/{name} is missing"
         try:
-            with open(os.path.join(folder, "config.json")) as f:
+            with open(os.path.join(folder, files[0])) as f:
                 json.load(f)
         except (OSError, ValueError) as e:
-            return f"{model}/config.json is not valid JSON ({type(e).__name__}: {e})"
+            return f"{model}/{files[0]} is not valid JSON ({type(e).__name__}: {e})"
         bad = safetensors_problem(folder)
         if bad:
             return bad
@@ -368,7 +375,7 @@ def input_path(key: str, spec: str) -> str | None:
     return os.path.realpath(spec) if spec and os.path.exists(spec) else None
 
 
-def _sha256_path(path: str) -> str:
+def sha256_path(path: str) -> str:
     """sha256 of a file; of a folder, of its files' relative paths and bytes (datasets' cache-*.arrow map caches and
     hidden files left out: datasets writes them into the folder it loads)."""
     h = hashlib.sha256()
@@ -409,7 +416,7 @@ def input_fingerprints(train, test, *, model: str, task: str, eval_task: str, re
         path = input_path(k, specs[k])
         if path is None:
             continue
-        out[k] = {"path": path} if k == "model" else {"path": path, "sha256": _sha256_path(path)}
+        out[k] = {"path": path} if k == "model" else {"path": path, "sha256": sha256_path(path)}
     for k, ds in (("train_split", train), ("test_split", test)):
         out[k] = {"rows": len(ds), "sha256": _sha256_rows(ds)}
     return out
@@ -531,9 +538,14 @@ def save_checkpoint(
     tokenizer,
     optimizers: dict,
     extra: dict,
+    lora: dict | None = None,
+    base: str = "",
 ) -> str:
     """Write checkpoints/step_{step}: policy/ and critic/ as HF folders (rank 0), each rank's optimizer and
-    RNG states, meta.json last, then rename into place. Collective: all ranks call it."""
+    RNG states, meta.json last, then rename into place. Collective: all ranks call it. lora: {"policy" and/or "critic":
+    lora.LoraSpec}: that model's folder holds only its trained tensors and `base`, the base model's fingerprint
+    (lora.save_adapter)."""
+    lora = lora or {}
     root = os.path.join(out_dir, "checkpoints")
     name = f"step_{step:06d}"
     tmp, final = os.path.join(root, f".{name}.tmp"), os.path.join(root, name)
@@ -548,9 +560,13 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         _barrier()
-        _save_hf(policy, os.path.join(tmp, "policy"), rank, tokenizer)
-        if critic is not None:
-            _save_hf(critic, os.path.join(tmp, "critic"), rank)
+        for what, model in (("policy", policy), ("critic", critic)):
+            if model is None:
+                continue
+            if what not in lora:
+                _save_hf(model, os.path.join(tmp, what), rank, tokenizer if what == "policy" else None)
+            elif rank == 0:  # LoRA runs no TP: rank 0 holds the whole adapter
+                save_adapter(model, os.path.join(tmp, what), lora[what], base)
         torch.save(state, os.path.join(tmp, f"trainer_rank{rank}.pt"))
     except Exception as e:  # torch.save says "basic_ios::clear: iostream error", safetensors raises its own error
         shutil.rmtree(tmp, ignore_errors=True)
@@ -567,9 +583,8 @@ def save_checkpoint(
     _barrier()
     if rank == 0:
         models = ["policy"] + (["critic"] if critic is not None else [])  # what checkpoint_problem checks
-        atomic_write(
-            os.path.join(tmp, "meta.json"), json.dumps({"step": step, "world_size": world_size, "models": models})
-        )
+        meta = {"step": step, "world_size": world_size, "models": models, "adapters": sorted(lora)}
+        atomic_write(os.path.join(tmp, "meta.json"), json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)  # only when re-saving a step; older checkpoints stay usable meanwhile
         os.replace(tmp, final)
         done = sorted(d for d in os.listdir(root) if d.startswith("step_"))

@@ -19,6 +19,7 @@ from agent import load_env
 from checkpoint import safetensors_problem, shape_problem
 from data.rewards import load_reward
 from data.tasks import BUILTIN, check_lengths
+from lora import target_modules
 from moe import is_moe
 from parallel import SUPPORTED_MODELS, check_tp
 from rollout import Sampling
@@ -148,6 +149,23 @@ class Config:
     critic_context() returns after reset (multi-turn). Unbiased only if the critic also sees the history."""
     value_clip: float = 0.2
     """Value clipping epsilon; 0 = off."""
+    # LoRA (peft): the base weights stay frozen and the engine gets the merged W + alpha / rank * B A (lora.py)
+    lora_rank: int = 0
+    """Policy: LoRA adapters of this rank on --lora-target; 0 = full fine-tuning. One process or data parallel only."""
+    lora_alpha: float = 16.0
+    """Policy LoRA scale numerator: the update is alpha / rank * B A."""
+    lora_dropout: float = 0.0
+    """Dropout on the policy's LoRA inputs (0: the recompute and the update see the same function)."""
+    lora_target: str = "all-linear"
+    """The policy's adapted modules: all-linear (every linear layer of the decoder layers), or names (q_proj,v_proj)."""
+    critic_lora_rank: int = 0
+    """Critic: LoRA adapters of this rank on --critic-lora-target (its value head stays fully trained); 0 = full."""
+    critic_lora_alpha: float = 16.0
+    """Critic LoRA scale numerator."""
+    critic_lora_dropout: float = 0.0
+    """Dropout on the critic's LoRA inputs."""
+    critic_lora_target: str = "all-linear"
+    """The critic's adapted modules, as --lora-target."""
     max_grad_norm: float = 1.0
     """Gradient clipping (policy and critic separately)."""
     max_bad_steps: int = 3
@@ -268,6 +286,7 @@ def resolve(cfg: Config, world_size: int) -> Plan:
         *env_errors,
         *check_multi_turn(cfg, plan),
         *check_outputs(cfg),
+        *check_lora(cfg, plan),
     ]
     if errors:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(errors))
@@ -470,6 +489,30 @@ def check_data(cfg: Config) -> list[str]:
     return errors
 
 
+def check_lora(cfg: Config, plan: Plan) -> list[str]:
+    """The LoRA options' ranges, and what LoRA does not compose with (its targets are checked against the model's
+    layers in check_model)."""
+    errors = []
+    for who, flag in (("lora", "--lora"), ("critic_lora", "--critic-lora")):
+        rank, alpha, dropout = (getattr(cfg, f"{who}_{k}") for k in ("rank", "alpha", "dropout"))
+        if rank < 0:
+            errors.append(f"{flag}-rank must be >= 0 (0 = full fine-tuning), got {rank}")
+        if rank and not alpha > 0:
+            errors.append(f"{flag}-alpha must be > 0, got {alpha}")
+        if rank and not 0 <= dropout < 1:
+            errors.append(f"{flag}-dropout must be in [0, 1), got {dropout}")
+    if cfg.critic_lora_rank and not plan.critic:
+        errors.append(f"--critic-lora-rank {cfg.critic_lora_rank} needs a critic: --algo {cfg.algo} has none")
+    if cfg.critic_lora_rank and cfg.freeze_critic_attention:
+        errors.append("--critic-lora-rank with --freeze-critic-attention: a LoRA critic's base is frozen already")
+    if (cfg.lora_rank or cfg.critic_lora_rank) and (cfg.tp > 1 or cfg.fsdp):
+        errors.append(
+            "LoRA (--lora-rank, --critic-lora-rank) with --tp > 1 or --fsdp is not implemented (the adapters are "
+            "not sharded): use data parallel (torchrun without --tp), where each rank holds the whole small adapter"
+        )
+    return errors
+
+
 def check_multi_turn(cfg: Config, plan: Plan) -> list[str]:
     """The options of multi-turn tasks and tool environments: turns, compaction, rewards, tool limits, routing replay."""
     errors = []
@@ -595,6 +638,17 @@ def check_model(cfg: Config, path: str, task) -> "AutoTokenizer":
         raise ValueError(f"{name}: {bad}. Fix its config.json or the weights")
     if cfg.tp > 1:  # the head counts against --tp
         check_tp(shapes, cfg.tp)
+    if (cfg.lora_rank or cfg.critic_lora_rank) and is_moe(mc):
+        raise ValueError(f"LoRA (--lora-rank, --critic-lora-rank) on a mixture of experts ({name}) is not implemented")
+    for flag, rank, target in (
+        ("--lora-target", cfg.lora_rank, cfg.lora_target),
+        ("--critic-lora-target", cfg.critic_lora_rank, cfg.critic_lora_target),
+    ):
+        try:
+            if rank:
+                target_modules(shapes, target)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
     if tok.eos_token_id is None or not tok.chat_template:
         raise ValueError(
             f"{name}: the tokenizer needs an EOS token and a chat template (responses stop at EOS; prompts are chat turns)"

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from lora import hf_weights
 from moe import is_moe, shard_experts
 
 # The models the project implements (the TP plan, embedded_engine.EmbeddedEngine's forward pass, the critic): Hugging
@@ -242,7 +243,8 @@ def full_weights(model: nn.Module, bucket_bytes: int = 64 << 20) -> Iterator[lis
     """Yield the model's full weights as buckets of (hf_name, tensor), for weight sync and checkpoints.
 
     Names and order are those of ``model.state_dict()``, i.e. what ``save_pretrained`` writes: a tied
-    ``lm_head.weight`` is left out (it shares the embedding's tensor), persistent buffers are in.
+    ``lm_head.weight`` is left out (it shares the embedding's tensor), persistent buffers are in. A LoRA
+    model's adapted weights come merged under their own names (lora.hf_weights), its adapters not at all.
     A bucket holds at most ``bucket_bytes`` unless one tensor alone is larger (then it is alone).
     Each tensor is a fresh full copy on the model's device, in the model's dtype; the generator keeps
     no reference to a bucket once it is yielded, so the consumer may free it after use and peak extra
@@ -253,7 +255,7 @@ def full_weights(model: nn.Module, bucket_bytes: int = 64 << 20) -> Iterator[lis
     seen = set()
     # keep_vars=True returns the Parameter objects themselves, so a tie shows up as the same object twice;
     # the embedding comes first in HF's module order, so the tied lm_head.weight is the one skipped.
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in hf_weights(model):  # state_dict(keep_vars=True); a LoRA layer's weight merged (W + scale B A)
         if id(t) in seen:
             continue
         seen.add(id(t))

@@ -59,6 +59,14 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --no-freeze-critic-attention \
   --critic-context policy \
   --value-clip 0.2 \
+  --lora-rank 0 \
+  --lora-alpha 16.0 \
+  --lora-dropout 0.0 \
+  --lora-target all-linear \
+  --critic-lora-rank 0 \
+  --critic-lora-alpha 16.0 \
+  --critic-lora-dropout 0.0 \
+  --critic-lora-target all-linear \
   --max-grad-norm 1.0 \
   --max-bad-steps 3 \
   --temperature 1.0 \

@@ -5,7 +5,8 @@ import torch (and einops) only. And the presets: runs/cpu.sh writes out every Co
 differs from it.
 
 Layers, bottom to top, and why in this order:
-- losses, logprobs, moe, parallel, decoder: tensor math, the device mesh, the embedded engine's model.
+- losses, logprobs, moe, lora, parallel, decoder: tensor math, LoRA adapters and their merged weights, the device
+  mesh, the embedded engine's model.
 - data.rewards, data.guess, data.walk, data.calc, data.rg, data.tasks, sandbox, tools, chat: prompts, environments
   (text and tool ones), rewards, reasoning-gym's tasks, the python tool's sandbox, tool-call parsers and the built-in
   tools, turns rendered with the chat template; no model or engine code, and
@@ -33,7 +34,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
-    ("losses", "logprobs", "moe", "parallel", "decoder"),
+    ("losses", "logprobs", "moe", "lora", "parallel", "decoder"),
     ("data.rewards", "data.guess", "data.walk", "data.calc", "data.rg", "data.tasks", "sandbox", "tools", "chat"),
     ("rollout",),
     ("embedded_engine", "sglang_engine", "agent", "vine"),
