@@ -739,3 +739,50 @@ def test_reasoning_gym_task():
     )
     with pytest.raises(ValueError, match="reasoning-gym has no dataset 'no_such_task'"):
         get_task("rg:no_such_task")
+
+
+def test_reasoning_gym_options():
+    """--task rg:<name>:<option>=<value>,...: the options reach the dataset's config (read as its defaults are typed:
+    a bool, an int, a tuple of "|"-separated items), suffix= ends every prompt, train and test stay disjoint."""
+    require_extras(["reasoning_gym"], "pip install reasoning-gym (requirements-dev.txt)")
+    import reasoning_gym
+
+    from data.rg import rg_rows
+
+    spec = "basic_arithmetic:min_terms=2,max_terms=2,max_digits=2,operators=+|-,allow_negation=false,suffix=Say it."
+    train, test, score_fn = rg_rows(spec, n_train=200, n_test=50)
+    kw = dict(min_terms=2, max_terms=2, max_digits=2, operators=("+", "-"), allow_negation=False)
+    ds = reasoning_gym.create_dataset("basic_arithmetic", seed=0, size=250, **kw)
+    assert [r["prompt"] for r in train] == [f"{ds[i]['question'].rstrip()} Say it." for i in range(200)]
+    assert all("*" not in r["prompt"] and "/" not in r["prompt"] for r in train + test)
+    assert test and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    row = test[0]
+    assert score_fn([row["answer"], "x"], answer=[row["answer"]] * 2, rg_index=[row["rg_index"]] * 2) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "chain_sum:max_digit=2",
+            r"--task rg:chain_sum:max_digit=2: ChainSumConfig has no option 'max_digit' \(it has",
+        ),
+        ("chain_sum:max_digits=two", r"option max_digits='two' is not an int \(its default is 4\)"),
+        ("chain_sum:max_digits=2.5", r"option max_digits='2.5' is not an int"),
+        ("chain_sum:allow_negation=maybe", r"option allow_negation='maybe' is not true or false"),
+        ("chain_sum:min_terms=5,max_terms=2", r"--task rg:chain_sum:min_terms=5,max_terms=2: ChainSumConfig refuses"),
+        ("chain_sum:seed=3", r"option 'seed' is set by data/rg.py"),
+        ("chain_sum:max_digits", r"'max_digits' is not option=value"),
+        ("chain_sum:max_digits=1,max_digits=2", r"option 'max_digits' is given twice"),
+        (
+            "chain_sum:min_terms=2,max_terms=2,max_digits=1",
+            r"every one of the 500 test questions is also a train question",
+        ),
+    ],
+)
+def test_reasoning_gym_bad_options(spec, message):
+    """A bad --task rg: option is a ValueError naming --task and the option, raised while the task is built (before
+    any model loads); so is a config too small to leave a test question that no train question repeats."""
+    require_extras(["reasoning_gym"], "pip install reasoning-gym (requirements-dev.txt)")
+    with pytest.raises(ValueError, match=message):
+        get_task(f"rg:{spec}")
