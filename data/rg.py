@@ -12,10 +12,12 @@ as an int, float, true/false or else a string. An unknown option, a value of the
 validate() refuses is a ValueError naming --task and the option, before any model loads; seed and size are this
 module's (SEED, n_train + n_test). One option is ours: suffix=<text> ends every prompt with " <text>" (no commas
 in it), e.g. "Answer with the number only." for a small model that otherwise explains itself past any short
---max-new-tokens; train and test rows get the same suffix.
+--max-new-tokens; train and test rows get the same suffix. And train=<N> makes N train entries instead of 10,000,
+so a config with few distinct questions still leaves held-out ones (chain_sum of two one-digit terms: train=100).
 
 One generator (seed SEED) makes n_train + n_test entries, each from its own seed (SEED + index): the first n_train are
-the train rows, the rest the test rows, less any whose question is also a train question, so the sets are disjoint. A
+the train rows, the rest the test rows, less any whose question is also a train question or an earlier test question,
+so the sets are disjoint and each held-out question counts once. A
 small config (chain_sum with one-digit terms has 200 questions) leaves no test row: that is a ValueError too.
 The prompt is the entry's question; the reward is the dataset's own score_answer(answer=completion, entry=entry) (a
 float in [0, 1]: most datasets give 1 to the exact answer and len(answer) / len(completion) to a completion that
@@ -31,6 +33,7 @@ SEED = 0
 INSTALL = "pip install reasoning-gym"
 OURS = ("seed", "size")  # config fields this module sets
 SUFFIX = "suffix"
+TRAIN = "train"
 
 
 def parse_options(spec: str, text: str) -> dict[str, str]:
@@ -91,7 +94,8 @@ def dataset_config(spec: str, name: str, options: dict[str, str]):
             )
         if key not in fields:
             raise ValueError(
-                f"--task {spec}: {config_cls.__name__} has no option {key!r} (it has {', '.join(fields)}; and {SUFFIX})"
+                f"--task {spec}: {config_cls.__name__} has no option {key!r} (it has {', '.join(fields)}; and {SUFFIX}, "
+                f"{TRAIN})"
             )
         f = fields[key]
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -121,6 +125,11 @@ def rg_rows(name: str, n_train: int = 10000, n_test: int = 500):
         )
     options = parse_options(spec, text) if text else {}
     suffix = options.pop(SUFFIX, "")
+    if TRAIN in options:
+        n_train = options.pop(TRAIN)
+        if not n_train.isdigit() or int(n_train) < 1:
+            raise ValueError(f"--task {spec}: {TRAIN}={n_train!r} must be a whole number of train rows >= 1")
+        n_train = int(n_train)
     config = dataset_config(spec, name, options)
     config.seed, config.size = SEED, n_train + n_test  # entry i draws from seed + i
     ds = reasoning_gym.factory.DATASETS[name][0](config=config)
@@ -134,11 +143,15 @@ def rg_rows(name: str, n_train: int = 10000, n_test: int = 500):
         }
         for i, e in enumerate(entries)
     ]
-    test = [r for r, e in zip(rows[n_train:], entries[n_train:]) if e["question"] not in seen]
+    test = []
+    for r, e in zip(rows[n_train:], entries[n_train:]):  # each held-out question once, none a train question
+        if e["question"] not in seen:
+            seen.add(e["question"])
+            test.append(r)
     if not test:
         raise ValueError(
             f"--task {spec}: every one of the {n_test} test questions is also a train question (the config has "
-            f"too few distinct questions for disjoint sets): widen its ranges"
+            f"too few distinct questions for disjoint sets): widen its ranges, or give fewer train rows ({TRAIN}=N)"
         )
 
     def score(completions, *, answer, rg_index, **columns) -> list[float]:

@@ -758,6 +758,9 @@ def test_reasoning_gym_options():
     assert test and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     row = test[0]
     assert score_fn([row["answer"], "x"], answer=[row["answer"]] * 2, rg_index=[row["rg_index"]] * 2) == [1.0, 0.0]
+    # train=N: N train entries, so a config with few distinct questions (about 200 here) keeps held-out ones
+    train, test, _ = rg_rows("chain_sum:min_terms=2,max_terms=2,max_digits=1,train=100", n_test=500)
+    assert len(train) == 100 and len(test) > 50 and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
 
 
 @pytest.mark.parametrize(
@@ -774,6 +777,7 @@ def test_reasoning_gym_options():
         ("chain_sum:seed=3", r"option 'seed' is set by data/rg.py"),
         ("chain_sum:max_digits", r"'max_digits' is not option=value"),
         ("chain_sum:max_digits=1,max_digits=2", r"option 'max_digits' is given twice"),
+        ("chain_sum:train=0", r"train='0' must be a whole number of train rows >= 1"),
         (
             "chain_sum:min_terms=2,max_terms=2,max_digits=1",
             r"every one of the 500 test questions is also a train question",
