@@ -10,9 +10,10 @@ own transformers, so each version lives in its own venv, outside the repo:
 
     python3 -m venv /work/trl116 && /work/trl116/bin/pip install torch==2.13.0 trl==1.16.0
     python3 -m venv /work/trl112 && /work/trl112/bin/pip install torch==2.13.0 trl==1.12.0
-    /work/trl116/bin/pip install reasoning-gym==0.1.25 math-verify==0.9.0   # only for --task rg:<name>, --reward math
+    /work/trl116/bin/pip install reasoning-gym==0.1.25; /work/trl112/bin/pip install reasoning-gym==0.1.25  # rg:<name>
 
-(trl pulls datasets and pyarrow, all that data/tasks.py needs at import.) PPO comes from 1.12's
+(trl pulls datasets and pyarrow, all that data/tasks.py needs at import; the task's reward runs as ours does, so the
+default exact match needs nothing more.) PPO comes from 1.12's
 `trl.experimental.ppo`: TRL 1.16 has no PPO trainer at all (neither `trl.PPOTrainer` nor `trl.experimental.ppo`).
 
 The settings match train_ppo.py's defaults: temperature 1, lr 2e-4, fp32 on CPU (--bf16: the Trainer's bf16=True,
