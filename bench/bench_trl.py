@@ -13,11 +13,12 @@ own transformers, so each version lives in its own venv, outside the repo:
     /work/trl116/bin/pip install reasoning-gym==0.1.25; /work/trl112/bin/pip install reasoning-gym==0.1.25  # rg:<name>
 
 (trl pulls datasets and pyarrow, all that data/tasks.py needs at import; the task's reward runs as ours does, so the
-default exact match needs nothing more.) PPO comes from 1.12's
-`trl.experimental.ppo`: TRL 1.16 has no PPO trainer at all (neither `trl.PPOTrainer` nor `trl.experimental.ppo`).
+default exact match needs nothing more.) PPO comes from 1.12's `trl.experimental.ppo`: TRL 1.16 has no PPO trainer at
+all (neither `trl.PPOTrainer` nor `trl.experimental.ppo`).
 
 The settings match train_ppo.py's defaults: temperature 1, lr 2e-4, fp32 on CPU (--bf16: the Trainer's bf16=True,
-accelerate's autocast over fp32 weights, as our --train-dtype bf16), Hugging Face `generate` (no vLLM on CPU), at most --max-new-tokens new tokens stopping at EOS, one optimiser step per batch. The prompts are the ones our
+accelerate's autocast over fp32 weights, as our --train-dtype bf16), Hugging Face `generate` (no vLLM on CPU), at most
+--max-new-tokens new tokens stopping at EOS, one optimiser step per batch. The prompts are the ones our
 run trains on (data.tasks.prompt_indices at seed 0, steps 1..--steps, in order; TRL's PPO shuffles them within that set).
 - grpo: groups of 4 (ours: --n-samples default), no KL (beta 0), the task's own reward function (data.rewards.score,
   as train_ppo.py calls it), no dataset shuffle, so step k has our step k's prompts.
