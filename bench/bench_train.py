@@ -255,7 +255,8 @@ def main():
 
     cpu = not torch.cuda.is_available()  # the trainer runs on CUDA where there is one
     print(
-        f"model {args.model or 'tiny (default)'}, task {args.task or 'addition'}, {args.rollout_batch} completions/step, "
+        f"model {args.model or 'tiny (default)'}, task {args.task or 'addition'}, "
+        f"{args.rollout_batch} completions/step, "
         f"<= {args.max_new_tokens} new tokens, OMP_NUM_THREADS={threads(1)} per process, "
         f"mean of steps {args.skip + 1}-{args.steps}"
     )

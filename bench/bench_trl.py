@@ -18,8 +18,8 @@ all (neither `trl.PPOTrainer` nor `trl.experimental.ppo`).
 
 The settings match train_ppo.py's defaults: temperature 1, lr 2e-4, fp32 on CPU (--bf16: the Trainer's bf16=True,
 accelerate's autocast over fp32 weights, as our --train-dtype bf16), Hugging Face `generate` (no vLLM on CPU), at most
---max-new-tokens new tokens stopping at EOS, one optimiser step per batch. The prompts are the ones our
-run trains on (data.tasks.prompt_indices at seed 0, steps 1..--steps, in order; TRL's PPO shuffles them within that set).
+--max-new-tokens new tokens stopping at EOS, one optimiser step per batch. The prompts are the ones our run trains on
+(data.tasks.prompt_indices at seed 0, steps 1..--steps, in order; TRL's PPO shuffles them within that set).
 - grpo: groups of 4 (ours: --n-samples default), no KL (beta 0), the task's own reward function (data.rewards.score,
   as train_ppo.py calls it), no dataset shuffle, so step k has our step k's prompts.
 - ppo: TRL's PPO needs a reward *model*: a sequence-classification copy of the model (its score is random, so only
