@@ -1,19 +1,33 @@
-"""TRL's GRPO (1.16) or PPO (1.12) step on the same model, task and batch as bench/bench_train.py, for a same-run comparison.
+"""TRL's GRPO (1.16) or PPO (1.12) step on the same model, task, prompts and batch as bench/bench_train.py, for a
+same-run comparison.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --trl /path/to/trl-1.16-venv/bin/python \
-        --trl-ppo /path/to/trl-1.12-venv/bin/python
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --trl /work/trl116/bin/python \
+        --trl-ppo /work/trl112/bin/python --model .cache/smollm2-135m-instruct --task examples/sums.jsonl
 
-bench_train.py runs this file with the Python of an environment where TRL is installed (`pip install torch==2.13.0
-trl==1.16.0`, or trl==1.12.0 for PPO, which TRL 1.16 no longer has; TRL pins its own transformers, so each lives in its
-own venv), right after its own configuration, at the same thread count. The settings match train_ppo.py's: the tiny
-model warmed up on addition, 64 completions per step, at most 32 new tokens (stopping at EOS), temperature 1, lr 2e-4,
-fp32 on CPU, Hugging Face `generate` (no vLLM on CPU), one optimiser step per batch.
-- grpo: groups of 4, no KL (beta 0), exact-match reward function.
-- ppo: TRL's PPO needs a reward *model*: a sequence-classification copy of the tiny model (its score is random, so only
+bench_train.py runs this file with the Python of an environment where TRL is installed, right after its own
+configurations, at the same thread count, with its --model, --task, --rollout-batch and --max-new-tokens. TRL pins its
+own transformers, so each version lives in its own venv, outside the repo:
+
+    python3 -m venv /work/trl116 && /work/trl116/bin/pip install torch==2.13.0 trl==1.16.0
+    python3 -m venv /work/trl112 && /work/trl112/bin/pip install torch==2.13.0 trl==1.12.0
+    /work/trl116/bin/pip install reasoning-gym==0.1.25; /work/trl112/bin/pip install reasoning-gym==0.1.25  # rg:<name>
+
+(trl pulls datasets and pyarrow, all that data/tasks.py needs at import; the task's reward runs as ours does, so the
+default exact match needs nothing more.) PPO comes from 1.12's `trl.experimental.ppo`: TRL 1.16 has no PPO trainer at
+all (neither `trl.PPOTrainer` nor `trl.experimental.ppo`).
+
+The settings match train_ppo.py's defaults: temperature 1, lr 2e-4, fp32 on CPU (--bf16: the Trainer's bf16=True,
+accelerate's autocast over fp32 weights, as our --train-dtype bf16), Hugging Face `generate` (no vLLM on CPU), at most
+--max-new-tokens new tokens stopping at EOS, one optimiser step per batch. The prompts are the ones our run trains on
+(data.tasks.prompt_indices at seed 0, steps 1..--steps, in order; TRL's PPO shuffles them within that set).
+- grpo: groups of 4 (ours: --n-samples default), no KL (beta 0), the task's own reward function (data.rewards.score,
+  as train_ppo.py calls it), no dataset shuffle, so step k has our step k's prompts.
+- ppo: TRL's PPO needs a reward *model*: a sequence-classification copy of the model (its score is random, so only
   the step time means anything), a value model of the same size (our critic's size), kl_coef 0 (TRL still runs its
-  reference forward), 1 PPO epoch, 1 minibatch. Ours runs 2 critic updates per step (its default), TRL one value update.
+  reference forward), 1 PPO epoch, 1 minibatch: one joint policy + value update per step. Prompts are encoded by
+  data.tasks.encode_prompt (the chat template, as ours).
 Prints one JSON line: the mean seconds per step after the first `--skip` steps (generation included), from a trainer
-callback's timestamps.
+callback's timestamps, and (GRPO) the mean completion length TRL logged.
 """
 
 from __future__ import annotations
@@ -25,34 +39,50 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def chat(prompt) -> list[dict]:
+    """A prompt as chat messages (data.tasks' form: a user string, or messages whose missing keys a Dataset filled)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{k: v for k, v in m.items() if v is not None} for m in prompt]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("algo", choices=["grpo", "ppo"])
+    ap.add_argument("--model", default="", help="HF model folder; default: the tiny model warmed up on addition")
+    ap.add_argument("--task", default="addition", help="a --task spec of train_ppo.py (data.tasks.get_task)")
+    ap.add_argument("--rollout-batch", type=int, default=64, help="completions per step")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--n-samples", type=int, default=4, help="GRPO group size")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): autocast over fp32 weights")
     args = ap.parse_args()
     import datasets
     import torch
     import trl
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
-    from data.rewards import exact_match_reward
-    from data.tasks import encode_prompt, get_task
-    from data.tiny import default_model
+    from data.rewards import score
+    from data.tasks import encode_prompt, get_task, prompt_indices
 
-    path = default_model(os.path.join(REPO, ".cache"), task="addition")
-    train = get_task("addition").train.select(range(64 * args.steps))
+    if args.model:
+        path = args.model
+    else:
+        from data.tiny import default_model
+
+        path = default_model(os.path.join(REPO, ".cache"), task="addition")
+    task = get_task(args.task)
+    per_step = args.rollout_batch // (args.n_samples if args.algo == "grpo" else 1)
+    train = task.train.select(prompt_indices(0, len(task.train), 0, per_step * args.steps))
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
-    def reward(completions, answer, **_):  # conversational completions: a list of one assistant message each
-        return exact_match_reward([c[0]["content"] if isinstance(c, list) else c for c in completions], answer)
-
-    stamps = []
+    stamps, lengths = [], []
 
     class StepTimer(TrainerCallback):  # one timestamp at the start and one after each optimiser step
         def on_train_begin(self, *a, **k):
@@ -61,16 +91,20 @@ def main():
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
 
+        def on_log(self, *a, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
-        per_device_train_batch_size=64,
+        per_device_train_batch_size=args.rollout_batch,
         learning_rate=2e-4,
         temperature=1.0,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
         use_cpu=True,
-        bf16=False,
+        bf16=args.bf16,
         seed=0,
         dataloader_num_workers=0,
         lr_scheduler_type="constant",
@@ -78,16 +112,28 @@ def main():
     if args.algo == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
+        columns = [c for c in train.column_names if c != "prompt"]
+
+        def reward(completions, task_prompt, **kw):  # conversational completions: a list of one assistant message each
+            texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+            return score(task, texts, {"prompt": task_prompt, **{c: kw[c] for c in columns}}).rewards.tolist()
+
+        reward.__name__ = getattr(task.reward_fn, "__name__", "task_reward")
         ds = datasets.Dataset.from_dict(
-            {"prompt": [[{"role": "user", "content": p}] for p in train["prompt"]], "answer": train["answer"]}
+            {
+                "prompt": [chat(p) for p in train["prompt"]],
+                "task_prompt": train["prompt"],
+                **{c: train[c] for c in columns},
+            }
         )
         cfg = GRPOConfig(
             **common,
-            num_generations=4,
-            max_completion_length=32,
+            num_generations=args.n_samples,
+            max_completion_length=args.max_new_tokens,
             max_steps=args.steps,
             beta=0.0,
             steps_per_generation=1,
+            shuffle_dataset=False,
         )
         trainer = GRPOTrainer(
             model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[StepTimer()]
@@ -99,13 +145,13 @@ def main():
         ds = datasets.Dataset.from_dict({"input_ids": [encode_prompt(tok, p) for p in train["prompt"]]})
         cfg = PPOConfig(
             **common,
-            total_episodes=64 * args.steps,
-            response_length=32,
+            total_episodes=args.rollout_batch * args.steps,
+            response_length=args.max_new_tokens,
             stop_token="eos",
             kl_coef=0.0,
             num_ppo_epochs=1,
             num_mini_batches=1,
-            local_rollout_forward_batch_size=64,
+            local_rollout_forward_batch_size=args.rollout_batch,
             num_sample_generations=0,
             missing_eos_penalty=None,
         )
@@ -127,14 +173,17 @@ def main():
     trainer.train()
     times = [b - a for a, b in zip(stamps, stamps[1:])]
     kept = times[args.skip :]
+    long = lengths[args.skip :]
     print(
         json.dumps(
             {
                 "algo": args.algo,
                 "trl": trl.__version__,
                 "threads": torch.get_num_threads(),
+                "bf16": args.bf16,
                 "steps": len(times),
                 "step": sum(kept) / len(kept),
+                "resp_tokens": sum(long) / len(long) if long else None,
             }
         )
     )

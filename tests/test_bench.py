@@ -1,4 +1,5 @@
-"""bench/bench_train.py's FLOP count (the MFU column) on a hand-computed case."""
+"""bench/bench_train.py: its FLOP count (the MFU column) on a hand-computed case, the per-algorithm variants and
+the matmul microbenchmark at a model's shapes."""
 
 import importlib.util
 import os
@@ -39,3 +40,22 @@ def test_train_flops_counts_the_routed_experts_only(tmp_path):
     n = 2 * (2 * 128 * 128 + 2 * 128 * 64 + 2 * 32 + 8 * 128 + 2 / 8 * 8 * 3 * 128 * 256 + 2 * 128) + 128
     cfg = {"model_path": str(tmp_path), "algo": "grpo", "ppo_epochs": 1, "critic_updates": 2, "kl": "none"}
     assert bench_train.train_flops(cfg, 1000, 100) == 2 * n * 1000 * 4 + 2 * 128 * 320 * 100 * 4
+
+
+def test_variants_of_keeps_the_unprefixed_and_this_algorithms_own():
+    variants = ["", "--engine-dtype fp32", "ppo:--critic-updates 1", "grpo: --no-shared-prefix", "--reward x:y"]
+    assert bench_train.variants_of("ppo", variants) == ["", "--engine-dtype fp32", "--critic-updates 1", "--reward x:y"]
+    assert bench_train.variants_of("grpo", variants) == [
+        "",
+        "--engine-dtype fp32",
+        "--no-shared-prefix",
+        "--reward x:y",
+    ]
+
+
+def test_machine_gflops_runs_the_model_shapes(tmp_path):
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2).save_pretrained(
+        tmp_path
+    )
+    for dtype in ("fp32", "bf16"):
+        assert bench_train.machine_gflops(str(tmp_path), 32, dtype, seconds=0.01) > 0
