@@ -2,14 +2,14 @@
 
     .venv/bin/python bench/bench_train.py                         # the tiny model on CPU
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --variant= --variant="--engine-dtype fp32" \
-        --trl /work/trl116/bin/python --trl-ppo /work/trl112/bin/python   # against TRL, same run, same threads
+        --trl ../trl-1.16/bin/python --trl-ppo ../trl-1.12/bin/python   # against TRL, same run, same threads
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --variant= --variant=--no-shared-prefix \
         --variant="--train-dtype bf16"                            # what each trainer feature gives, same run, same threads
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_train.py --nprocs 1 --steps 3 --skip 1 \
         --model .cache/smollm2-135m-instruct --task examples/sums.jsonl --rollout-batch 32 --max-new-tokens 32 \
         --variant="--engine-dtype fp32" --variant="--engine-dtype bf16 --train-dtype bf16" \
         --variant="ppo:--engine-dtype fp32 --critic-updates 1" --trl-bf16 \
-        --trl /work/trl116/bin/python --trl-ppo /work/trl112/bin/python  # a real model against TRL (SmolLM2, CPU)
+        --trl ../trl-1.16/bin/python --trl-ppo ../trl-1.12/bin/python  # a real model against TRL (SmolLM2, CPU)
     .venv/bin/python bench/bench_train.py --steps 8 --nprocs 1 --model /path/to/Qwen3-0.6B --engine sglang \
         --extra "--engine-dtype bf16 --max-new-tokens 512"        # a real model on a GPU machine
 

@@ -1,16 +1,16 @@
 """TRL's GRPO (1.16) or PPO (1.12) step on the same model, task, prompts and batch as bench/bench_train.py, for a
 same-run comparison.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --trl /work/trl116/bin/python \
-        --trl-ppo /work/trl112/bin/python --model .cache/smollm2-135m-instruct --task examples/sums.jsonl
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train.py --nprocs 1 --trl ../trl-1.16/bin/python \
+        --trl-ppo ../trl-1.12/bin/python --model .cache/smollm2-135m-instruct --task examples/sums.jsonl
 
 bench_train.py runs this file with the Python of an environment where TRL is installed, right after its own
 configurations, at the same thread count, with its --model, --task, --rollout-batch and --max-new-tokens. TRL pins its
 own transformers, so each version lives in its own venv, outside the repo:
 
-    python3 -m venv /work/trl116 && /work/trl116/bin/pip install torch==2.13.0 trl==1.16.0
-    python3 -m venv /work/trl112 && /work/trl112/bin/pip install torch==2.13.0 trl==1.12.0
-    /work/trl116/bin/pip install reasoning-gym==0.1.25; /work/trl112/bin/pip install reasoning-gym==0.1.25  # rg:<name>
+    python3 -m venv ../trl-1.16 && ../trl-1.16/bin/pip install torch==2.13.0 trl==1.16.0
+    python3 -m venv ../trl-1.12 && ../trl-1.12/bin/pip install torch==2.13.0 trl==1.12.0
+    ../trl-1.16/bin/pip install reasoning-gym==0.1.25; ../trl-1.12/bin/pip install reasoning-gym==0.1.25  # rg:<name>
 
 (trl pulls datasets and pyarrow, all that data/tasks.py needs at import; the task's reward runs as ours does, so the
 default exact match needs nothing more.) PPO comes from 1.12's `trl.experimental.ppo`: TRL 1.16 has no PPO trainer at
