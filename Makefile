@@ -58,7 +58,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 test-core: sandbox $(VENV)/.installed
-	$(REQUIRE) $(PY) -m pytest -q -m "not sglang"
+	$(REQUIRE) $(PY) -m pytest -q -m "not sglang" -n 2 --dist loadfile
 
 # Under `make -j2 test` (CI) the SGLang venv is built while test-core runs; its tests start once test-core's are done.
 test-sglang: sandbox $(SGL_VENV)/.installed | $(if $(filter test,$(MAKECMDGOALS)),test-core)

@@ -21,8 +21,10 @@ import copy
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -125,6 +127,20 @@ def start_train(*args) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def sigkill_at(*args, lines: int) -> None:
+    """Start python train_ppo.py *args and SIGKILL it once its metrics.jsonl (in the --out-dir given) has `lines`
+    lines; fails if the run finished before."""
+    metrics = os.path.join(str(args[list(args).index("--out-dir") + 1]), "metrics.jsonl")
+    proc = start_train(*args)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= lines:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert proc.wait(60) == -signal.SIGKILL, "the run finished before it could be killed"
 
 
 def torchrun(nproc: int, *args, **kw) -> subprocess.CompletedProcess:

@@ -5,8 +5,6 @@ resumes only on its base, and what LoRA does not compose with is refused before 
 import copy
 import json
 import os
-import signal
-import time
 
 import pytest
 import torch
@@ -186,20 +184,12 @@ def test_sigkill_and_resume_of_a_lora_run_equals_uninterrupted(tmp_path):
     """test_train's SIGKILL test, shorter, on a LoRA policy and critic: killed after RL step 3 (5 lines: evaluation, a
     pretraining row, 3 steps), resumed from step 2's checkpoint. The adapters, the head and their AdamW states are all
     a resume needs: its checkpoints hold no base weights."""
-    from conftest import read_metrics, start_train, train_cli
+    from conftest import read_metrics, sigkill_at, start_train, train_cli
 
     args = [*KILL_ARGS, *LORA_ARGS]
     ref = train_cli(*args, "--out-dir", tmp_path / "ref")
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    killed = start_train(*args, "--out-dir", tmp_path / "run")
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 600
-    while time.time() < deadline and killed.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            killed.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    assert killed.wait(60) == -signal.SIGKILL, "the run finished before it could be killed"
+    sigkill_at(*args, "--out-dir", tmp_path / "run", lines=5)
     resumed = start_train(*args, "--out-dir", tmp_path / "run")
     out = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0 and "resuming at step 2" in out, out[-3000:]

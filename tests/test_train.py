@@ -4,16 +4,14 @@ data-parallel and tensor-parallel runs equal the single-process step."""
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ENV, REPO, read_metrics, small, start_train, torchrun, train_cli
+from conftest import ENV, REPO, read_metrics, sigkill_at, small, start_train, torchrun, train_cli
 from data.rewards import Scores, score
 from data.tasks import Task
 import datasets
@@ -287,15 +285,7 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines, uni
     """Killed during critic pretraining (3 lines: the evaluation before RL and 2 pretraining rows; no checkpoint yet, so
     the rerun refuses to overwrite those records, and once they are removed, as it says, starts over) or after RL step
     3 (7 lines: evaluation, 3 pretraining rows, 3 steps; it resumes from step 2)."""
-    killed = _run(*SIGKILL_ARGS, "--out-dir", tmp_path / "run")
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 600
-    while time.time() < deadline and killed.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after_lines:
-            killed.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    assert killed.wait(60) == -signal.SIGKILL, "the run finished before it could be killed"
+    sigkill_at(*SIGKILL_ARGS, "--out-dir", tmp_path / "run", lines=kill_after_lines)
     resumed = _run(*SIGKILL_ARGS, "--out-dir", tmp_path / "run")
     out = resumed.communicate(timeout=600)[0]
     if kill_after_lines == 3:
