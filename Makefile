@@ -20,7 +20,7 @@ $(SGL_VENV)/.installed: scripts/install_sglang_cpu.sh scripts/sglang_cpu/constra
 	VENV=$(SGL_VENV) bash scripts/install_sglang_cpu.sh
 	touch $@
 
-.PHONY: venv sandbox sglang train train-smollm2 lint test test-core test-sglang test-fast
+.PHONY: venv sandbox sglang train train-smollm2 lint test test-core test-sglang test-fast test-slow
 venv: $(VENV)/.installed
 sglang: $(SGL_VENV)/.installed
 
@@ -48,8 +48,9 @@ FAST := not e2e and not torchrun and not lab
 # tests fail instead of skipping (tests/conftest.py).
 REQUIRE := ICEPOP_REQUIRE_EXTRAS=1
 
-# The whole suite in .venv (newest transformers; the sglang tier deselected, .venv has no SGLang), then in the SGLang venv
-# (transformers pinned by SGLang) the sglang tier and the fast tier again: what depends on the transformers version.
+# The whole suite in .venv (newest transformers; the sglang tier deselected, .venv has no SGLang, and the slow tests
+# left out), and in the SGLang venv (transformers pinned by SGLang) the sglang tier and the fast tier again: what
+# depends on the transformers version.
 test: lint test-core test-sglang
 
 # The formatter and linter (ruff.toml: 120 columns; pyflakes and pycodestyle's statement errors, ruff's default set).
@@ -58,11 +59,18 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 test-core: sandbox $(VENV)/.installed
-	$(REQUIRE) $(PY) -m pytest -q -m "not sglang" -n 2 --dist loadfile
+	$(REQUIRE) $(PY) -m pytest -q -m "not sglang and not slow"
 
-# Under `make -j2 test` (CI) the SGLang venv is built while test-core runs; its tests start once test-core's are done.
-test-sglang: sandbox $(SGL_VENV)/.installed | $(if $(filter test,$(MAKECMDGOALS)),test-core)
-	$(REQUIRE) $(SGL_VENV)/bin/python -m pytest -q -m "sglang or ($(FAST))"
+# Under `make -j2 test` (CI) the SGLang venv is built while test-core runs, then its tests run beside test-core's
+# (the core tier leaves about a quarter of 2 cores idle: single-threaded steps, subprocess start-ups). Its OpenMP
+# threads sleep when idle instead of spinning (OMP_WAIT_POLICY=PASSIVE), so two tiers can share the cores; the
+# default models both tiers use are built once (data.tiny.default_model's lock).
+test-sglang: sandbox $(SGL_VENV)/.installed
+	$(REQUIRE) OMP_WAIT_POLICY=PASSIVE $(SGL_VENV)/bin/python -m pytest -q -m "sglang or ($(FAST))"
+
+# What CI leaves out for time (marker slow, docs/testing.md): builds of default models no other test needs.
+test-slow: sandbox $(VENV)/.installed
+	$(REQUIRE) $(PY) -m pytest -q -m slow
 
 # Unit tests only, for the edit-test loop: under a minute on 2 cores (the first run also builds the tiny default model).
 test-fast: lint

@@ -1,5 +1,7 @@
 """The held-out curve of one or more run folders: sampled and greedy success at each evaluation, one column per run,
-the mean and range over the runs, and the change from the start; optionally a PNG.
+the mean and range over the runs, and the change from the start; optionally a PNG. With --critic, also the critic's
+explained variance at each step (critic/explained_variance and critic/ev_pos_*, the mean over the runs; "pre" is the
+last critic pretraining step, before step 1).
 
     .venv/bin/python bench/heldout_curve.py outputs/cpu_smollm2_seed0 outputs/cpu_smollm2_seed1 outputs/cpu_smollm2_seed2 \
         --png docs/smollm2.png
@@ -9,6 +11,7 @@ Reads each folder's metrics.jsonl (the rows with eval/ keys). A script, not a te
 
 import argparse
 import json
+import math
 import os
 
 
@@ -23,10 +26,45 @@ def evals(folder: str) -> dict[int, dict]:
     return rows
 
 
+def critic_rows(folder: str) -> dict:
+    """{step or "pre": {EV key: value}} of a run folder: each RL step's critic EV, and the last pretraining row."""
+    rows = {}
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if "critic/explained_variance" in r:
+                evs = {k: v for k, v in r.items() if k.startswith("critic/ev_pos_") or k == "critic/explained_variance"}
+                rows["pre" if r["step"] == 0 else r["step"]] = evs
+    return rows
+
+
+def print_critic(runs: list[str]) -> None:
+    """The critic's EV per step and position bucket, the mean over the runs that log it there (n: how many)."""
+    tables = [critic_rows(run) for run in runs]
+    keys = sorted({k for t in tables for row in t.values() for k in row}, key=lambda k: (k.count("_"), k))
+    keys = ["critic/explained_variance"] + sorted(
+        (k for k in keys if k.startswith("critic/ev_pos_")), key=lambda k: int(k.rsplit("_", 1)[1].split("-")[0])
+    )
+    labels = ["all"] + [k.rsplit("_", 1)[1] for k in keys[1:]]
+    print("\ncritic explained variance (mean over runs; n = runs with a finite value)")
+    print("| step | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
+    steps = ["pre"] + sorted({s for t in tables for s in t if s != "pre"})
+    for s in steps:
+        cells = []
+        for k in keys:
+            xs = [t[s][k] for t in tables if s in t and k in t[s] and math.isfinite(t[s][k])]
+            cells.append(
+                f"{sum(xs) / len(xs):.2f}" + ("" if len(xs) == len(runs) else f" (n={len(xs)})") if xs else "-"
+            )
+        print(f"| {s} | " + " | ".join(cells) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="run folders (--out-dir)")
     ap.add_argument("--png", default="", help="write the sampled-success curves here")
+    ap.add_argument("--critic", action="store_true", help="also the critic's EV per step and position bucket")
     args = ap.parse_args()
     curves = {run: evals(run) for run in args.runs}
     steps = sorted(set.intersection(*(set(c) for c in curves.values())))
@@ -41,6 +79,8 @@ def main():
             print(f"| {s} | {cells} | {sum(xs) / len(xs):.1f} | {min(xs):.1f}-{max(xs):.1f} |")
         gains = [100 * (curves[r][steps[-1]][key] - curves[r][steps[0]][key]) for r in args.runs]
         print(f"change step {steps[0]} -> {steps[-1]}: " + ", ".join(f"{g:+.1f}" for g in gains) + " points")
+    if args.critic:
+        print_critic(args.runs)
     if args.png:
         import matplotlib
 

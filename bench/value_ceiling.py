@@ -38,6 +38,9 @@ the sum it has written), not just a head.
     .venv/bin/python bench/value_ceiling.py --task sort --prompts 128
     .venv/bin/python bench/value_ceiling.py --task guess --k 8      # multi-turn: states at the turn starts
     .venv/bin/python bench/value_ceiling.py --model outputs/cpu/checkpoints/step_000300/policy
+    .venv/bin/python bench/value_ceiling.py --model .cache/smollm2-135m-instruct --reward math --temperature 0.5 \
+        --max-new-tokens 24 --task "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1,train=100,suffix=Answer with \
+the number only." --prompts 64 --k 8 --every 2                             # SmolLM2's preset task (runs/cpu_smollm2.sh)
 
     from value_ceiling import measure                              # bench/ on sys.path
     out = measure(task="addition", prompts=64, k=8)                 # the figures as a dict (the --out JSON)
@@ -125,14 +128,22 @@ def measure(
     seed: int = 0,
     env: str = "",
     max_turns: int = 0,
+    reward: str = "",
+    max_new_tokens: int = 0,
+    every: int = 1,
 ) -> dict:
     """The ceilings, the headroom bound and the probe of `model` (empty: the task's default tiny model) on the first
     `prompts` train rows of `task` (or of an --env played on them), as a flat dict: perfect, prompt_only, probe and
-    their "<name>/<bucket>" figures, headroom, headroom_ratio, headroom_ratio/<bucket>, states, and the run's sizes."""
+    their "<name>/<bucket>" figures, headroom, headroom_ratio, headroom_ratio/<bucket>, states, and the run's sizes.
+    reward: as train_ppo.py's --reward ('' = the task's own); max_new_tokens: the response budget (0 = the task's);
+    every: single-turn states every `every` response tokens, the tokens between taking the last state's value (a
+    stale V*, so every > 1 gives lower bounds of the perfect ceiling and of the headroom, at 1/every of the cost)."""
     from agent import load_env, run_episodes
     from vine import mc_values, token_values
 
-    t_ = get_task(task)
+    from data.rewards import load_reward
+
+    t_ = get_task(task, reward_fn=load_reward(reward) if reward else None)
     if env:
         t_.env, t_.max_turns = load_env(env), DEFAULT_MAX_TURNS
     if not model:
@@ -148,7 +159,9 @@ def measure(
     engine = EmbeddedEngine(model, dtype="fp32")  # the trainer's own policy: fp32
     start = time.perf_counter()
     rows = t_.train.select(range(min(prompts, len(t_.train))))
-    s = Sampling(temperature, max_new_tokens=t_.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=seed)
+    s = Sampling(
+        temperature, max_new_tokens=max_new_tokens or t_.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=seed
+    )
     play = None
     if t_.env is not None:
 
@@ -174,7 +187,7 @@ def measure(
         sc = score(t_, texts, reward_columns(rows))
         R, ok = sc.rewards.float(), sc.rewarded
         rewards = L.last_token_rewards(R, ro.mask)
-    v = mc_values(engine, tok, t_, rows, out, s, k=k, play=play)
+    v = mc_values(engine, tok, t_, rows, out, s, k=k, every=every, play=play)
     values, has = token_values(v, ro.mask)
     mask = has & ok[:, None]  # a row without a reward (or a token before its first valued state) is out
     returns = R[:, None].expand_as(mask).clone()
@@ -205,7 +218,7 @@ def measure(
         k=k,
         seconds=round(time.perf_counter() - start, 1),
         mean_return=R[ok].mean().item(),
-        states="turn starts" if play else "every response token",
+        states="turn starts" if play else "every response token" if every == 1 else f"every {every} response tokens",
         extra_tokens=v.extra_tokens,
     )
     return out_
@@ -222,11 +235,30 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256, help="train prompts (trajectories)")
     ap.add_argument("--k", type=int, default=32, help="continuations per state")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--reward", default="", help="as train_ppo.py's --reward: '' (the task's), 'math', 'file.py:fn'")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="response budget; 0 = the task's")
+    ap.add_argument(
+        "--every", type=int, default=1, help="single-turn: a state every N tokens (N > 1: lower bounds, 1/N the cost)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="also write the figures as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    out = measure(args.model, args.task, args.prompts, args.k, args.temperature, args.seed, args.env, args.max_turns)
+    if args.max_new_tokens < 0 or args.every < 1:
+        ap.error("--max-new-tokens must be >= 0 and --every >= 1")
+    out = measure(
+        args.model,
+        args.task,
+        args.prompts,
+        args.k,
+        args.temperature,
+        args.seed,
+        args.env,
+        args.max_turns,
+        args.reward,
+        args.max_new_tokens,
+        args.every,
+    )
     print(
         f"Monte Carlo value ceiling: {out['task']}, {out['prompts']} prompts x {out['k']} continuations per state "
         f"({out['states']}), mean return {out['mean_return']:.3f}, {out['seconds']} s\n  model {out['model']}"

@@ -11,6 +11,7 @@ then calc_warmup) and cached under .cache/, one model per built-in task. A few m
     python -m data.tiny addition moe   # the MoE twin (Qwen3-MoE, 8 experts, top-2): train_ppo.py --tiny moe
 """
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -516,13 +517,23 @@ def default_model(cache_dir: str = ".cache", seed: int = 0, task: str = "additio
     "walk" or "calc"), built on first use and cached by architecture + task + seed + settings (default_model_path).
 
     Built in a temp folder and renamed into place, so an interrupted build never leaves a half-written
-    cache. The warm-up uses the task's default seed so its test split, the one RL evaluates on, is never
-    trained on whatever the model seed.
+    cache. A process that asks for a model another process is building waits for that build (a lock file beside
+    the folder) instead of building it twice. The warm-up uses the task's default seed so its test split, the one RL
+    evaluates on, is never trained on whatever the model seed.
     """
     path = default_model_path(cache_dir, seed, task, arch)
     if os.path.isfile(os.path.join(path, "warmup.json")):
         return path
     os.makedirs(cache_dir, exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
+        if os.path.isfile(os.path.join(path, "warmup.json")):  # built while we waited
+            return path
+        return _build_default_model(path, cache_dir, seed, task, arch)
+
+
+def _build_default_model(path: str, cache_dir: str, seed: int, task: str, arch: str) -> str:
+    """default_model's build, under its lock: warm up in a temp folder of cache_dir, then rename it to path."""
     print(
         f"building the default tiny {arch} {task} model (1-3 minutes on CPU; MoE and calc longer) into {path}",
         flush=True,

@@ -382,6 +382,37 @@ def test_default_model_builds_with_fixed_threads(tmp_path, monkeypatch):
     }
 
 
+def test_a_build_in_progress_is_waited_for_not_repeated(tmp_path, monkeypatch):
+    """While another process holds a model's build lock, default_model waits; when that build has landed it returns
+    the folder without building again. With no build there, it builds once the lock is free."""
+    import fcntl
+    import threading
+
+    import data.tiny as tiny
+
+    builds = []
+
+    def fake_warmup(model_dir, out_dir, task, **kw):
+        builds.append(out_dir)
+        return {"steps": 0, "accuracy": 0.0, "seconds": 0.0, "history": []}
+
+    monkeypatch.setattr(tiny, "warmup", fake_warmup)
+    path = tiny.default_model_path(str(tmp_path), task="addition")
+    got = []
+    with open(path + ".lock", "w") as lock:  # "another process" building: an open file description of its own
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: got.append(tiny.default_model(str(tmp_path), task="addition")))
+        waiter.start()
+        waiter.join(timeout=2)
+        assert waiter.is_alive() and not got and not builds  # waiting, not building
+        os.makedirs(path)
+        open(os.path.join(path, "warmup.json"), "w").write("{}")  # the other build lands
+    waiter.join(timeout=30)
+    assert got == [path] and not builds
+    other = tiny.default_model(str(tmp_path), task="sort")  # nobody building: it builds
+    assert len(builds) == 1 and os.path.isfile(os.path.join(other, "warmup.json"))
+
+
 @pytest.mark.e2e  # the warm-up run that builds each task's default model (when .cache lacks it)
 @pytest.mark.parametrize("task", [name for name, builtin in BUILTIN.items() if not builtin.multi_turn])
 def test_default_model_reaches_target(task):

@@ -74,3 +74,18 @@ def test_measure_plays_episodes_from_the_turn_starts(tmp_path):
     assert out["states"] == "turn starts" and out["extra_tokens"] > 0
     assert out["perfect/0"] == out["prompt_only/0"] and out["perfect"] > out["prompt_only"]
     assert out["headroom"] >= 1 and 0 < out["headroom_ratio"] <= 1
+
+
+def test_measure_with_states_every_two_tokens_and_an_own_reward(tmp_path):
+    """--every 2: the token after a state takes that state's value, so at position 1 the perfect critic is the
+    prompt-only one; --reward replaces the task's reward (here one that pays 1 for any answer); --max-new-tokens
+    is the budget."""
+    reward = tmp_path / "pays.py"
+    reward.write_text("def pays(completions, **kw):\n    return [1.0] * len(completions)\n")
+    measure = _value_ceiling().measure
+    every2 = measure(task="addition", prompts=16, k=4, every=2)
+    assert every2["states"] == "every 2 response tokens" and every2["perfect/1"] == every2["prompt_only/1"]
+    full = measure(task="addition", prompts=16, k=4)
+    assert full["perfect/1"] != full["prompt_only/1"] and every2["extra_tokens"] < full["extra_tokens"]
+    paid = measure(task="addition", prompts=16, k=2, reward=f"{reward}:pays", max_new_tokens=2)
+    assert paid["mean_return"] == 1.0 and paid["extra_tokens"] <= 16 * 2 * 2 * 2

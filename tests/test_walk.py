@@ -233,7 +233,31 @@ def test_design_matches_the_environment():
     assert walk_design.evaluate(d)["success"] == pytest.approx(0.350, abs=5e-4)
 
 
-@pytest.mark.e2e  # builds the walk model when .cache lacks it (a few minutes)
+def test_walk_warmup_fits_the_demonstrations_and_is_deterministic(tmp_path):
+    """The default walk build's path at a tiny size (data.tiny.warmup on walk: demonstrations played by the driver,
+    supervised steps on their model tokens, greedy episodes as the evaluation): it takes its steps, changes the
+    weights, and two runs give the same history and weights. The full build is the slow test below."""
+    import transformers
+
+    from data.tasks import walk_task
+    from data.tiny import build_tiny_model, warmup
+
+    start = build_tiny_model(str(tmp_path / "start"), seed=0)
+    task = walk_task(n_train=96, n_test=8)
+    runs = [
+        warmup(start, str(tmp_path / name), task, target_acc=1.0, max_steps=3, eval_every=2, n_eval=16, batch_size=8)
+        for name in ("a", "b")
+    ]
+    assert runs[0]["steps"] == 3 and [h["step"] for h in runs[0]["history"]] == [0, 2, 3]
+    assert runs[0]["history"] == runs[1]["history"] and all(h["loss"] > 0 for h in runs[0]["history"][1:])
+    a, b, s = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in ("a", "b", "start"))
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(pa, ps) for pa, ps in zip(a.parameters(), s.parameters()))
+
+
+# Slow (make test-slow, not CI): 7-8 minutes on 2 cores, the longest build, and no other test needs the model.
+@pytest.mark.slow
+@pytest.mark.e2e  # builds the walk model when .cache lacks it
 def test_default_walk_model_builds_and_plays():
     """The default walk model imitates the demonstrations: sampled held-out success near the design's 0.35."""
     path = default_model(cache_dir=CACHE, task="walk")
