@@ -20,7 +20,7 @@ $(SGL_VENV)/.installed: scripts/install_sglang_cpu.sh scripts/sglang_cpu/constra
 	VENV=$(SGL_VENV) bash scripts/install_sglang_cpu.sh
 	touch $@
 
-.PHONY: venv sandbox sglang train train-smollm2 lint test test-core test-sglang test-fast test-slow
+.PHONY: venv sandbox sglang train train-smollm2 lint test test-core test-sglang-fast test-sglang test-fast test-slow
 venv: $(VENV)/.installed
 sglang: $(SGL_VENV)/.installed
 
@@ -51,7 +51,7 @@ REQUIRE := ICEPOP_REQUIRE_EXTRAS=1
 # The whole suite in .venv (newest transformers; the sglang tier deselected, .venv has no SGLang, and the slow tests
 # left out), and in the SGLang venv (transformers pinned by SGLang) the sglang tier and the fast tier again: what
 # depends on the transformers version.
-test: lint test-core test-sglang
+test: lint test-core test-sglang-fast test-sglang
 
 # The formatter and linter (ruff.toml: 120 columns; pyflakes and pycodestyle's statement errors, ruff's default set).
 lint: $(VENV)/.installed
@@ -61,12 +61,16 @@ lint: $(VENV)/.installed
 test-core: sandbox $(VENV)/.installed
 	$(REQUIRE) $(PY) -m pytest -q -m "not sglang and not slow"
 
-# Under `make -j2 test` (CI) the SGLang venv is built while test-core runs, then its tests run beside test-core's
-# (the core tier leaves about a quarter of 2 cores idle: single-threaded steps, subprocess start-ups). Its OpenMP
-# threads sleep when idle instead of spinning (OMP_WAIT_POLICY=PASSIVE), so two tiers can share the cores; the
-# default models both tiers use are built once (data.tiny.default_model's lock).
-test-sglang: sandbox $(SGL_VENV)/.installed
-	$(REQUIRE) OMP_WAIT_POLICY=PASSIVE $(SGL_VENV)/bin/python -m pytest -q -m "sglang or ($(FAST))"
+# Under `make -j2 test` (CI) the SGLang venv is built while test-core runs; then the fast tier runs again in it, beside
+# test-core (unit tests in one process: the core tier leaves about a quarter of the 2 cores idle), its OpenMP threads
+# sleeping when idle instead of spinning (OMP_WAIT_POLICY=PASSIVE) so the two share the cores. The sglang tier itself
+# waits for test-core: an SGLang engine whose child process fails (under a shared machine, once) SIGKILLs its whole
+# process tree, the test session included.
+test-sglang-fast: sandbox $(SGL_VENV)/.installed
+	$(REQUIRE) OMP_WAIT_POLICY=PASSIVE $(SGL_VENV)/bin/python -m pytest -q -m "not sglang and ($(FAST))"
+
+test-sglang: sandbox $(SGL_VENV)/.installed | $(if $(filter test,$(MAKECMDGOALS)),test-core test-sglang-fast)
+	$(REQUIRE) $(SGL_VENV)/bin/python -m pytest -q -m sglang
 
 # What CI leaves out for time (marker slow, docs/testing.md): builds of default models no other test needs.
 test-slow: sandbox $(VENV)/.installed
@@ -74,4 +78,4 @@ test-slow: sandbox $(VENV)/.installed
 
 # Unit tests only, for the edit-test loop: under a minute on 2 cores (the first run also builds the tiny default model).
 test-fast: lint
-	$(PY) -m pytest -q -m "$(FAST)"
+	$(PY) -m pytest -q -m "not sglang and ($(FAST))"
