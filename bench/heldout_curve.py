@@ -15,49 +15,37 @@ import math
 import os
 
 
-def evals(folder: str) -> dict[int, dict]:
-    """{step: the evaluation row} of a run folder."""
+def rows_with(folder: str, key: str) -> dict[int, dict]:
+    """{step: the last metrics row of that step holding `key`} of a run folder."""
     rows = {}
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         for line in f:
             r = json.loads(line)
-            if "eval/sampled_acc" in r:
+            if key in r:
                 rows[r["step"]] = r
     return rows
 
 
-def critic_rows(folder: str) -> dict:
-    """{step or "pre": {EV key: value}} of a run folder: each RL step's critic EV, and the last pretraining row."""
-    rows = {}
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            if "critic/explained_variance" in r:
-                evs = {k: v for k, v in r.items() if k.startswith("critic/ev_pos_") or k == "critic/explained_variance"}
-                rows["pre" if r["step"] == 0 else r["step"]] = evs
-    return rows
-
-
 def print_critic(runs: list[str]) -> None:
-    """The critic's EV per step and position bucket, the mean over the runs that log it there (n: how many)."""
-    tables = [critic_rows(run) for run in runs]
-    keys = sorted({k for t in tables for row in t.values() for k in row}, key=lambda k: (k.count("_"), k))
-    keys = ["critic/explained_variance"] + sorted(
-        (k for k in keys if k.startswith("critic/ev_pos_")), key=lambda k: int(k.rsplit("_", 1)[1].split("-")[0])
+    """The critic's EV per step and position bucket, the mean over the runs that log it there (n: how many); step 0
+    is the last critic pretraining step ("pre")."""
+    tables = [rows_with(run, "critic/explained_variance") for run in runs]
+    buckets = sorted(
+        {k for t in tables for row in t.values() for k in row if k.startswith("critic/ev_pos_")},
+        key=lambda k: int(k.rsplit("_", 1)[1].split("-")[0]),
     )
-    labels = ["all"] + [k.rsplit("_", 1)[1] for k in keys[1:]]
+    keys = ["critic/explained_variance", *buckets]
     print("\ncritic explained variance (mean over runs; n = runs with a finite value)")
-    print("| step | " + " | ".join(labels) + " |")
-    print("|---|" + "---|" * len(labels))
-    steps = ["pre"] + sorted({s for t in tables for s in t if s != "pre"})
-    for s in steps:
+    print("| step | all | " + " | ".join(k.rsplit("_", 1)[1] for k in buckets) + " |")
+    print("|---|" + "---|" * len(keys))
+    for s in sorted({s for t in tables for s in t}):
         cells = []
         for k in keys:
             xs = [t[s][k] for t in tables if s in t and k in t[s] and math.isfinite(t[s][k])]
             cells.append(
                 f"{sum(xs) / len(xs):.2f}" + ("" if len(xs) == len(runs) else f" (n={len(xs)})") if xs else "-"
             )
-        print(f"| {s} | " + " | ".join(cells) + " |")
+        print(f"| {s or 'pre'} | " + " | ".join(cells) + " |")
 
 
 def main():
@@ -66,7 +54,7 @@ def main():
     ap.add_argument("--png", default="", help="write the sampled-success curves here")
     ap.add_argument("--critic", action="store_true", help="also the critic's EV per step and position bucket")
     args = ap.parse_args()
-    curves = {run: evals(run) for run in args.runs}
+    curves = {run: rows_with(run, "eval/sampled_acc") for run in args.runs}
     steps = sorted(set.intersection(*(set(c) for c in curves.values())))
     names = [os.path.basename(os.path.normpath(r)) for r in args.runs]
     for key in ("eval/sampled_acc", "eval/greedy_acc"):

@@ -61,7 +61,7 @@ sys.path.insert(0, REPO)
 
 import losses as L  # noqa: E402
 from agent import DEFAULT_MAX_TURNS  # noqa: E402
-from data.rewards import reward_columns, score  # noqa: E402
+from data.rewards import load_reward, reward_columns, score  # noqa: E402
 from data.tasks import encode_prompt, get_task  # noqa: E402
 from embedded_engine import EmbeddedEngine  # noqa: E402
 from rollout import Sampling  # noqa: E402
@@ -140,8 +140,6 @@ def measure(
     stale V*, so every > 1 gives lower bounds of the perfect ceiling and of the headroom, at 1/every of the cost)."""
     from agent import load_env, run_episodes
     from vine import mc_values, token_values
-
-    from data.rewards import load_reward
 
     t_ = get_task(task, reward_fn=load_reward(reward) if reward else None)
     if env:
