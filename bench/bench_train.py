@@ -72,6 +72,7 @@ def run(algo: str, nprocs: int, variant: str, args) -> dict:
         out,
         *(["--model", args.model] if args.model else []),
         *(["--task", args.task] if args.task else []),
+        *(["--lr", args.lr] if args.lr else []),
         "--engine",
         args.engine,
         *shlex.split(args.extra),
@@ -190,7 +191,7 @@ def trl_step(algo: str, python: str, model_path: str, bf16: bool, args) -> dict:
     cmd = [python, "bench/bench_trl.py", algo, "--model", model_path, "--task", args.task or "addition"]
     cmd += ["--bf16"] if bf16 else []
     cmd += ["--rollout-batch", str(args.rollout_batch), "--max-new-tokens", str(args.max_new_tokens)]
-    cmd += ["--steps", str(args.steps), "--skip", str(args.skip)]
+    cmd += ["--steps", str(args.steps), "--skip", str(args.skip), *(["--lr", args.lr] if args.lr else [])]
     env = {**os.environ, "OMP_NUM_THREADS": threads(1)}
     start, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -224,6 +225,7 @@ def main():
     ap.add_argument("--task", default="", help="train_ppo.py's --task (a name, rg:<name>, a file); default: addition")
     ap.add_argument("--rollout-batch", type=int, default=64, help="completions per step")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--lr", default="", help="learning rate, ours and TRL's (default: train_ppo.py's, 2e-4)")
     ap.add_argument("--engine", default="embedded")
     ap.add_argument("--extra", default="", help="more train_ppo.py flags, one string")
     ap.add_argument(
@@ -249,6 +251,7 @@ def main():
         help="the device's peak dense TFLOP/s at the training dtype, for the %% mach column (H100/H200 SXM bf16: 989); "
         "0: on CPU measured (machine_gflops), on CUDA left out",
     )
+    ap.add_argument("--json", default="", help="also write every row to this file (a list, rewritten after each row)")
     args = ap.parse_args()
     args.variants = args.variant or [""]
     import torch
@@ -270,6 +273,14 @@ def main():
         flush=True,
     )
     machine = {}  # (rows, dtype) -> GFLOP/s
+    records = []
+
+    def record(row: dict) -> None:
+        records.append(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+
     for algo in args.algos:
         for n in args.nprocs:
             ours = []
@@ -305,6 +316,17 @@ def main():
                         flush=True,
                     )
                 ours.append((label, r))
+                kept = {k: v for k, v in r.items() if k != "cfg"}
+                record(
+                    {
+                        "config": label,
+                        "algo": algo,
+                        "nprocs": n,
+                        **kept,
+                        "GFLOP/s": gflops,
+                        "% mach": 100 * gflops / peak if peak else None,
+                    }
+                )
             trl = {"grpo": args.trl, "ppo": args.trl_ppo}.get(algo)
             if trl and n == 1 and ours:
                 for bf16 in (False, True)[: 1 + args.trl_bf16]:
@@ -312,6 +334,14 @@ def main():
                     label = f"TRL {t['trl']} {algo} x1 {'bf16' if bf16 else 'fp32'} ({t['threads']} thread(s))"
                     resp = f"{t['resp_tokens']:.1f}" if t.get("resp_tokens") is not None else "-"
                     print(f"{label:<48} {t['step']:7.3f}   resp {resp}, cpu % {t['cpu %']:.0f}", flush=True)
+                    record(
+                        {
+                            "config": label,
+                            "algo": algo,
+                            **t,
+                            "ours / TRL": {lab: r["step"] / t["step"] for lab, r in ours},
+                        }
+                    )
                     for lab, r in ours:
                         print(f"    ours / TRL: {lab:<48} {r['step'] / t['step']:.2f}x", flush=True)
 

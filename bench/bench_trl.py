@@ -16,7 +16,7 @@ own transformers, so each version lives in its own venv, outside the repo:
 default exact match needs nothing more.) PPO comes from 1.12's `trl.experimental.ppo`: TRL 1.16 has no PPO trainer at
 all (neither `trl.PPOTrainer` nor `trl.experimental.ppo`).
 
-The settings match train_ppo.py's defaults: temperature 1, lr 2e-4, fp32 on CPU (--bf16: the Trainer's bf16=True,
+The settings match train_ppo.py's defaults: temperature 1, lr 2e-4 (--lr), fp32 on CPU (--bf16: the Trainer's bf16=True,
 accelerate's autocast over fp32 weights, as our --train-dtype bf16), Hugging Face `generate` (no vLLM on CPU), at most
 --max-new-tokens new tokens stopping at EOS, one optimiser step per batch. The prompts are the ones our run trains on
 (data.tasks.prompt_indices at seed 0, steps 1..--steps, in order; TRL's PPO shuffles them within that set).
@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--n-samples", type=int, default=4, help="GRPO group size")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=2e-4, help="learning rate (train_ppo.py's default)")
     ap.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): autocast over fp32 weights")
     args = ap.parse_args()
     import datasets
@@ -98,7 +99,7 @@ def main():
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
         per_device_train_batch_size=args.rollout_batch,
-        learning_rate=2e-4,
+        learning_rate=args.lr,
         temperature=1.0,
         logging_steps=1,
         save_strategy="no",
