@@ -301,7 +301,8 @@ def main():
                     peak = machine[rows, dtype]
                 else:
                     peak = args.peak_tflops * 1e3
-                mach = f"{100 * gflops / peak:6.1f}" if peak else f"{'-':>6}"
+                pct = 100 * gflops / peak if peak else None
+                mach = f"{pct:6.1f}" if pct is not None else f"{'-':>6}"
                 label = f"{algo} x{n} {v}".strip()
                 print(
                     f"{label:<48} {r['step']:7.3f} "
@@ -316,17 +317,8 @@ def main():
                         flush=True,
                     )
                 ours.append((label, r))
-                kept = {k: v for k, v in r.items() if k != "cfg"}
-                record(
-                    {
-                        "config": label,
-                        "algo": algo,
-                        "nprocs": n,
-                        **kept,
-                        "GFLOP/s": gflops,
-                        "% mach": 100 * gflops / peak if peak else None,
-                    }
-                )
+                figures = {k: x for k, x in r.items() if k != "cfg"}
+                record({"config": label, "algo": algo, "nprocs": n, **figures, "GFLOP/s": gflops, "% mach": pct})
             trl = {"grpo": args.trl, "ppo": args.trl_ppo}.get(algo)
             if trl and n == 1 and ours:
                 for bf16 in (False, True)[: 1 + args.trl_bf16]:
@@ -334,16 +326,10 @@ def main():
                     label = f"TRL {t['trl']} {algo} x1 {'bf16' if bf16 else 'fp32'} ({t['threads']} thread(s))"
                     resp = f"{t['resp_tokens']:.1f}" if t.get("resp_tokens") is not None else "-"
                     print(f"{label:<48} {t['step']:7.3f}   resp {resp}, cpu % {t['cpu %']:.0f}", flush=True)
-                    record(
-                        {
-                            "config": label,
-                            "algo": algo,
-                            **t,
-                            "ours / TRL": {lab: r["step"] / t["step"] for lab, r in ours},
-                        }
-                    )
-                    for lab, r in ours:
-                        print(f"    ours / TRL: {lab:<48} {r['step'] / t['step']:.2f}x", flush=True)
+                    ratios = {lab: r["step"] / t["step"] for lab, r in ours}
+                    record({"config": label, "algo": algo, **t, "ours / TRL": ratios})
+                    for lab, ratio in ratios.items():
+                        print(f"    ours / TRL: {lab:<48} {ratio:.2f}x", flush=True)
 
 
 if __name__ == "__main__":
