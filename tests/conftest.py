@@ -167,14 +167,18 @@ def direct_ev(v: torch.Tensor, r: torch.Tensor, mask: torch.Tensor) -> float:
 
 def trainer_logp(model, ro, s=None, pad_id: int = 0) -> torch.Tensor:
     """The trainer's recompute of ro's log-probs [B, T] float32 (rollout.py's alignment): one forward over prompt +
-    response, the logits before each response token, processed like sampling s (temperature, top-k, top-p)."""
+    response, the logits before each response token, processed like sampling s (temperature, top-k, top-p). Computed
+    on the model's device (a GPU in the gpu tests), returned on CPU like the rollout's own log-probs."""
     import logprobs
 
     b = ro.to_batch(pad_id=pad_id)
+    dev = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
+        logits = model(
+            input_ids=b.input_ids.to(dev), attention_mask=b.attention_mask.to(dev), position_ids=b.position_ids.to(dev)
+        ).logits
     kw = {} if s is None else dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-    return logprobs.token_logprobs(logits[:, b.response_start - 1 : -1], ro.tokens, **kw)
+    return logprobs.token_logprobs(logits[:, b.response_start - 1 : -1], ro.tokens.to(dev), **kw).cpu()
 
 
 @pytest.fixture(scope="session")
