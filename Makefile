@@ -58,8 +58,12 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
+# The GPU check's dry run (bench/gpu_check.sh on CPU, about a minute) runs in the SGLang venv's lane, beside the core
+# tier, where a core is partly idle; `make test` runs it once either way.
+GPU_DRY_RUN := tests/test_gpu_check.py::test_dry_run_runs_every_stage
+
 test-core: sandbox $(VENV)/.installed
-	$(REQUIRE) $(PY) -m pytest -q -m "not sglang and not slow"
+	$(REQUIRE) $(PY) -m pytest -q -m "not sglang and not slow" $(if $(filter test,$(MAKECMDGOALS)),--deselect $(GPU_DRY_RUN))
 
 # Under `make -j2 test` (CI) the SGLang venv is built while test-core runs; then the fast tier runs again in it, beside
 # test-core (unit tests in one process: the core tier leaves about a quarter of the 2 cores idle), its OpenMP threads
@@ -68,6 +72,7 @@ test-core: sandbox $(VENV)/.installed
 # process tree, the test session included.
 test-sglang-fast: sandbox $(SGL_VENV)/.installed
 	$(REQUIRE) OMP_WAIT_POLICY=PASSIVE $(SGL_VENV)/bin/python -m pytest -q -m "not sglang and ($(FAST))"
+	$(if $(filter test,$(MAKECMDGOALS)),$(REQUIRE) OMP_WAIT_POLICY=PASSIVE $(SGL_VENV)/bin/python -m pytest -q $(GPU_DRY_RUN))
 
 test-sglang: sandbox $(SGL_VENV)/.installed | $(if $(filter test,$(MAKECMDGOALS)),test-core test-sglang-fast)
 	$(REQUIRE) $(SGL_VENV)/bin/python -m pytest -q -m sglang

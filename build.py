@@ -44,7 +44,7 @@ from parallel import Runtime, init_runtime, make_mesh, parallelize, print0
 from rollout import Engine, Sampling, push_weights
 from runlog import RunLog
 from tools import ToolLimits, stop_ids, text_env
-from value_model import PromptBaseline, build_critic, freeze_attention, load_critic, load_policy
+from value_model import PromptBaseline, build_critic, freeze_attention, load_critic, load_policy, read_critic_init
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -181,7 +181,14 @@ def load_task(run: Run) -> tuple[Task, Any, str, Inputs]:
     source = f"--env {cfg.env}" if cfg.env else f"--task {cfg.task}"
     task.env = text_env(task, cfg.tool_parser, limits, cfg.max_turns or task.max_turns, source)
     fingerprints = input_fingerprints(
-        task.train, task.test, model=cfg.model, task=cfg.task, eval_task=cfg.eval_task, reward=cfg.reward, env=cfg.env
+        task.train,
+        task.test,
+        model=cfg.model,
+        task=cfg.task,
+        eval_task=cfg.eval_task,
+        reward=cfg.reward,
+        env=cfg.env,
+        critic_init=cfg.critic_init,
     )
     changes = dict(run.option_changes)
     if run.ckpt:
@@ -198,7 +205,25 @@ def load_task(run: Run) -> tuple[Task, Any, str, Inputs]:
         if dist.is_initialized():
             dist.barrier()
         model_path = default_model(cache, task=kind, arch=cfg.tiny)
-    return task, check_model(cfg, model_path, task), model_path, Inputs(fingerprints, changes)
+    tok = check_model(cfg, model_path, task)
+    if cfg.critic_init and not run.ckpt:  # a resume's critic is the checkpoint's
+        check_critic_init(cfg, model_path)
+    return task, tok, model_path, Inputs(fingerprints, changes)
+
+
+def check_critic_init(cfg: Config, model_path: str) -> None:
+    """--critic-init's record (value_model.CRITIC_INIT) must name this run's base model, by content, and its
+    --critic-context: a critic fitted for another input would start from values of something else."""
+    if not os.path.isdir(cfg.critic_init):
+        raise ValueError(f"--critic-init {cfg.critic_init}: no such folder")
+    record = read_critic_init(cfg.critic_init)
+    errors = []
+    if record.get("critic_context") != cfg.critic_context:
+        errors.append(f"fitted with --critic-context {record.get('critic_context')}, this run has {cfg.critic_context}")
+    if record.get("base_sha256") != sha256_path(model_path):
+        errors.append(f"fitted on another base model than {model_path} (its sha256 differs)")
+    if errors:
+        raise ValueError(f"--critic-init {cfg.critic_init}: " + "; ".join(errors))
 
 
 def build_models(run: Run, model_path: str, task: Task) -> tuple[Models, Progress]:
@@ -229,6 +254,8 @@ def build_models(run: Run, model_path: str, task: Task) -> tuple[Models, Progres
     if run.plan.critic:
         if run.ckpt and "critic" not in specs:
             critic = load_critic(os.path.join(run.ckpt, "critic"), torch.float32)
+        elif cfg.critic_init:
+            critic = load_critic(cfg.critic_init, torch.float32, "--critic-init")
         else:
             critic = build_critic(model_path, dtype=torch.float32)
         if "critic" in specs:
@@ -246,7 +273,9 @@ def build_models(run: Run, model_path: str, task: Task) -> tuple[Models, Progres
     baseline = None
     if run.plan.prompt_baseline:
         baseline = PromptBaseline(cfg.baseline_window, keys=prompt_keys(task.train))
-    progress = Progress(start=0, saved_at=0, synced=0, bad={k: 0 for k in opts}, fresh_head=critic is not None)
+    progress = Progress(
+        start=0, saved_at=0, synced=0, bad={k: 0 for k in opts}, fresh_head=critic is not None and not cfg.critic_init
+    )
     if run.ckpt:
         state = load_trainer_state(run.ckpt, rt.rank, rt.world_size, opts)
         if baseline is not None:

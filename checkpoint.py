@@ -254,6 +254,7 @@ RESUMABLE = (
     "save_every",
     "keep_checkpoints",
     "report_to",
+    "token_records",
     "lr",
     "critic_lr",
     "max_bad_steps",
@@ -347,12 +348,13 @@ def check_resume(ckpt: str, world_size: int, *, options: dict, defaults: dict) -
 # ----------------------------------------------------------------------------- the run's inputs, by content
 
 # options that name files: compared by resolved path / content
-PATH_OPTIONS = ("model", "task", "eval_task", "reward", "env")
+PATH_OPTIONS = ("model", "task", "eval_task", "reward", "env", "critic_init")
 _LABELS = {
     "task": "--task",
     "eval_task": "--eval-task",
     "reward": "--reward's file",
     "env": "--env's file",
+    "critic_init": "--critic-init",
     "train_split": "the train split",
     "test_split": "the held-out split",
 }
@@ -404,13 +406,16 @@ def _sha256_rows(ds) -> str:
     return h.hexdigest()
 
 
-def input_fingerprints(train, test, *, model: str, task: str, eval_task: str, reward: str, env: str) -> dict:
+def input_fingerprints(
+    train, test, *, model: str, task: str, eval_task: str, reward: str, env: str, critic_init: str = ""
+) -> dict:
     """The run's inputs by content, recorded in config.json ("inputs"): {"path", "sha256"} of --task and --eval-task
     when they are files or folders and of the files of --reward and --env; {"rows", "sha256"} of the train and the
-    held-out split as loaded (for a built-in task only these: its rows are generated); the resolved --model folder.
-    train, test: the task's splits as loaded (datasets.Dataset); model, task, eval_task, reward, env: the options'
-    values (PATH_OPTIONS)."""
+    held-out split as loaded (for a built-in task only these: its rows are generated); the resolved --model folder;
+    the --critic-init folder. train, test: the task's splits as loaded (datasets.Dataset); model, task, eval_task,
+    reward, env, critic_init: the options' values (PATH_OPTIONS)."""
     specs = {"model": model, "task": task, "eval_task": eval_task, "reward": reward, "env": env}
+    specs["critic_init"] = critic_init
     out = {}
     for k in PATH_OPTIONS:
         path = input_path(k, specs[k])

@@ -147,6 +147,9 @@ class Config:
     """What the critic reads before each row's prompt, never shown to the policy (docs/critic.md): policy = nothing
     more than the policy; answer = "Reference answer: {answer}\\n"; env = the string the environment's optional
     critic_context() returns after reset (multi-turn). Unbiased only if the critic also sees the history."""
+    critic_init: str = ""
+    """Start the critic from one fitted offline (a folder of bench/value_fit.py --save), not from the policy with a fresh
+    head; refused unless fitted on this --model (by content) with this --critic-context."""
     value_clip: float = 0.2
     """Value clipping epsilon; 0 = off."""
     # LoRA (peft): the base weights stay frozen and the engine gets the merged W + alpha / rank * B A (lora.py)
@@ -232,6 +235,8 @@ class Config:
     """Checkpoints kept on disk."""
     report_to: Literal["none", "wandb", "tensorboard"] = "none"
     """Also log to Weights & Biases or TensorBoard (needs that package installed); metrics.jsonl is always written."""
+    token_records: int = 0
+    """Every N steps, one parquet file of per-token records in out_dir/tokens/ (runlog.TOKEN_COLUMNS); 0 = off."""
 
 
 @dataclass(frozen=True)
@@ -337,6 +342,8 @@ def check_sizes(cfg: Config, plan: Plan, world_size: int) -> list[str]:
             f"--n-samples and --max-new-tokens must be >= 0 (0 = the default), got {cfg.n_samples} and "
             f"{cfg.max_new_tokens}"
         )
+    if cfg.token_records < 0:
+        errors.append(f"--token-records must be >= 0 (0 = off), got {cfg.token_records}")
     if cfg.fsdp and plan.dp < 2:
         errors.append(
             f"--fsdp shards over data-parallel ranks and this launch has {plan.dp}: start at least 2 per replica "
@@ -378,6 +385,10 @@ def check_algorithm(cfg: Config, plan: Plan) -> list[str]:
             )
     if cfg.kl != "none" and cfg.kl_coef <= 0:
         errors.append(f"--kl {cfg.kl} needs --kl-coef > 0")
+    if cfg.critic_init and (not plan.critic or cfg.critic_lora_rank):
+        errors.append(
+            f"--critic-init needs a full critic: --algo {cfg.algo}, --critic-lora-rank {cfg.critic_lora_rank}"
+        )
     if cfg.critic_context != "policy" and not plan.critic:
         errors.append(f"--critic-context {cfg.critic_context} needs a critic: --algo {cfg.algo} has none")
     if cfg.critic_context == "env" and not plan.multi_turn:

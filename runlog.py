@@ -7,6 +7,9 @@ metrics.jsonl (+ optional wandb / TensorBoard), config.json, samples and PNG plo
                                         pretraining rows have step 0 and a pretrain/step key
     out_dir/plots/*.png                 reward & accuracy, mismatch (KL apart from masked fractions), critic,
                                         critic pretraining, time per phase
+    out_dir/tokens/step_N-dpR.parquet   with --token-records: one row per model token of the step (TOKEN_COLUMNS);
+                                        a resume drops those of the steps after its checkpoint, as it drops their
+                                        metrics rows
 
 The checkpoints, the lock and the checks a resume makes against these records: checkpoint.py.
 """
@@ -164,6 +167,10 @@ class RunLog:
         if os.path.exists(path):  # keep what the checkpoint we resume from had seen; drop what came after it
             self.history = [row for row in read_metrics(path) if row["step"] <= resume_step]
         atomic_write(path, "".join(json.dumps(row) + "\n" for row in self.history))
+        tokens = os.path.join(out_dir, "tokens")  # so do the per-token records of the steps after it
+        for name in os.listdir(tokens) if os.path.isdir(tokens) else []:
+            if name.startswith("step_") and int(name[5:11]) > resume_step:
+                os.remove(os.path.join(tokens, name))
         if wandb:
             import wandb as wb
 
@@ -321,3 +328,48 @@ def _versions() -> dict:
         for d in distributions()
         if d.metadata["Name"] in ("torch", "transformers", "datasets", "sglang")
     }
+
+
+# ----------------------------------------------------------------------------- per-token records (--token-records)
+
+TOKEN_COLUMNS = {
+    "step": "the RL step",
+    "row": "the row in the step's global batch (dp rank r's rows follow rank r - 1's)",
+    "position": "the token's column in the row's response (observations of multi-turn rows are left out)",
+    "token": "the token id",
+    "engine_logp": "the rollout engine's log-prob (pi_infer)",
+    "trainer_logp": "the trainer's recompute at the rollout weights (pi_old)",
+    "ratio": "k = pi_old / pi_infer",
+    "side": "where k lies against the band [--icepop-low, --icepop-high]: below, in or above",
+    "weight": "the correction's weight on the token's policy gradient (IcePop's M(k): k in the band, else 0; TIS's "
+    "min(k, C); the geometric sequence mask), 0 on untrained tokens; null with --correction none or dis (DIS acts "
+    "inside its loss)",
+    "trained": "the token is in the losses (its row has a reward, and for GRPO a group with >= 2 rewarded rows)",
+    "advantage": "the policy's advantage (after whitening)",
+    "value": "the critic's value V_old (null without a critic)",
+    "return": "the critic's target, GAE(1) return (null without a critic)",
+    "reward": "the row's reward (multi-turn: its episode's return)",
+}
+
+
+def write_token_records(out_dir: str, step: int, dp_rank: int, columns: dict) -> str:
+    """One parquet file of per-token records (columns: TOKEN_COLUMNS' names; None = a null column), written through a
+    dot-named temp file and a rename, so a kill leaves the whole file or none. Returns its path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    assert list(columns) == list(TOKEN_COLUMNS), list(columns)
+    n = len(columns["position"])
+    table = pa.table(
+        {
+            k: pa.nulls(n, pa.float32()) if v is None else pa.array(v if isinstance(v, list) else v.numpy())
+            for k, v in columns.items()
+        }
+    )
+    folder = os.path.join(out_dir, "tokens")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"step_{step:06d}-dp{dp_rank}.parquet")
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return path

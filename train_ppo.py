@@ -63,7 +63,7 @@ from evaluation import rollouts, scored
 from forward import response_logprobs, response_values
 from parallel import PREEMPTION, all_reduce, print0, tp_share
 from rollout import Rollout, Sampling, TrainBatch, push_weights, sync_weights
-from runlog import Metrics, RunLog, timed
+from runlog import Metrics, RunLog, timed, write_token_records
 from update import check_finite, denominator, micro, minibatches, optimizer_step
 from value_model import (
     PLATEAU_WINDOW,
@@ -120,6 +120,8 @@ def train_step(
         adv, returns = advantages(run, models, gen, batch, old, mc, index, m)
     with timed(m, "correction"):
         is_w = correction(run, batch, old, m)
+    if train_policy and run.cfg.token_records and (index + 1) % run.cfg.token_records == 0 and run.engine_rank:
+        token_records(run, batch, old, adv, returns, is_w, index)
     if models.critic is not None:
         with timed(m, "critic"):
             clip = (
@@ -478,6 +480,38 @@ def correction(run: Run, batch: Batch, old: Old, m: Metrics) -> torch.Tensor | N
         is_w, cm = losses.geo_seq_mask(old.logp, batch.infer_logp, mask, low, high)
         m.add(cm)
     return is_w
+
+
+def token_records(run: Run, batch: Batch, old: Old, adv, returns, is_w, index: int) -> None:
+    """--token-records: this replica's model tokens of the step, one row each, as out_dir/tokens/step_N-dpR.parquet
+    (runlog.TOKEN_COLUMNS says what each column holds). Rows are numbered over the global batch."""
+    rows, pos = batch.model_mask.nonzero(as_tuple=True)
+    ratio = torch.exp(old.logp - batch.infer_logp)
+    band = (ratio > run.cfg.icepop_high).long() - (ratio < run.cfg.icepop_low).long()  # -1 below, 0 in, 1 above
+
+    def at(t):
+        if t is None:
+            return None
+        t = t[rows, pos].cpu()
+        return t.float() if t.is_floating_point() else t
+
+    columns = {
+        "step": torch.full_like(rows, index + 1).cpu(),
+        "row": (rows + run.dp_rank * run.plan.rows).cpu(),
+        "position": pos.cpu(),
+        "token": at(batch.tokens),
+        "engine_logp": at(batch.infer_logp),
+        "trainer_logp": at(old.logp),
+        "ratio": at(ratio),
+        "side": [("below", "in", "above")[b + 1] for b in at(band).tolist()],
+        "weight": at(is_w),
+        "trained": at(batch.mask),
+        "advantage": at(adv),
+        "value": at(old.values),
+        "return": at(returns),
+        "reward": batch.scores[rows].cpu(),
+    }
+    write_token_records(run.cfg.out_dir, index + 1, run.dp_rank, columns)
 
 
 def update_critic(

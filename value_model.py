@@ -11,12 +11,15 @@ that has a token-classification class (Llama, Qwen2, Qwen3, Mistral, ...).
     critic = build_critic("path/to/policy")            # backbone copied, head N(0, 0.02), zero bias
     values = critic_values(critic, input_ids, attention_mask)   # [B, L] float32
     critic.save_pretrained("ckpt/critic"); load_critic("ckpt/critic")
+    save_fitted_critic(critic, "fitted", base_sha256=..., critic_context="policy")   # train_ppo.py --critic-init fitted
     ctb = critic_batch(ro, context_ids("answer", tok, task_rows, out, n), pad_id, n)  # --critic-context answer
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import replace
 
 import torch
@@ -117,9 +120,35 @@ def ev_plateaued(evs: list[float]) -> bool:
     return len(evs) >= 2 * W and not finite_mean(evs[-W:]) >= finite_mean(evs[-2 * W : -W]) + PLATEAU_MIN_GAIN
 
 
-def load_critic(path: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def load_critic(path: str, dtype: torch.dtype | None = None, what: str = "the critic checkpoint") -> PreTrainedModel:
     """Load a critic saved with ``save_pretrained`` (a plain HF token-classification folder)."""
-    return load_pretrained(AutoModelForTokenClassification, path, "the critic checkpoint", dtype=dtype or "auto")
+    return load_pretrained(AutoModelForTokenClassification, path, what, dtype=dtype or "auto")
+
+
+# A fitted critic that --critic-init starts from: the critic's folder plus this record of what it was fitted for.
+CRITIC_INIT = "critic_init.json"
+
+
+def save_fitted_critic(
+    critic: PreTrainedModel, out_dir: str, *, base_sha256: str, critic_context: str, **record
+) -> None:
+    """Save a critic fitted offline (bench/value_fit.py --save) as a folder --critic-init reads: the critic
+    (save_pretrained) and CRITIC_INIT, naming the base model by content (checkpoint.sha256_path of its folder) and the
+    --critic-context it was fitted with, plus `record` (how it was fitted, its held-out EV)."""
+    critic.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, CRITIC_INIT), "w") as f:
+        json.dump({"base_sha256": base_sha256, "critic_context": critic_context, **record}, f, indent=1)
+
+
+def read_critic_init(path: str) -> dict:
+    """The CRITIC_INIT record of a --critic-init folder; a folder without one is refused, naming the flag."""
+    record = os.path.join(path, CRITIC_INIT)
+    if not os.path.isfile(record):
+        raise ValueError(
+            f"--critic-init {path}: no {CRITIC_INIT} there; save a fitted critic with bench/value_fit.py --save DIR"
+        )
+    with open(record) as f:
+        return json.load(f)
 
 
 def critic_values(critic: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:

@@ -105,10 +105,10 @@ def tests(args) -> dict:
 
 def main_job(args) -> dict:
     out = os.path.join(args.work, "main_job")
-    steps = 4 if args.dry_run else 100
+    steps = 2 if args.dry_run else 100
     flags = ["--steps", str(steps), "--out-dir", out]
     if args.dry_run:
-        flags += ["--eval-every", "2", "--eval-size", "32", "--critic-pretrain", "2", "--save-every", "100"]
+        flags += ["--eval-every", "2", "--eval-size", "32", "--critic-pretrain", "1", "--save-every", "100"]
     env = {**os.environ, "NPROC": "1", "PY": sys.executable}
     start = time.perf_counter()
     # Its own process group: a cut sends it SIGTERM, which torchrun passes on to its worker (in a session of its own),

@@ -451,6 +451,21 @@ COLLAPSE_RULE = (
     "in either arm: NOT JUDGED. Reported beside them, not decisive: the time-to-collapse curves, and for each collapse "
     "whether the sequence ESS of the importance weights fell below 0.5, or max |log k| rose above 2, at or before its step."
 )
+COLLAPSE_BASE = [
+    *("--algo", "ppo", "--rollout-batch", "64", "--lr", "4e-4", "--critic-pretrain", "10"),
+    *(
+        "--eval-every",
+        "10",
+        "--eval-size",
+        "500",
+        "--eval-dtype",
+        "fp32",
+        "--save-every",
+        "20",
+        "--keep-checkpoints",
+        "1",
+    ),
+]
 GRIDS["collapse"] = {
     "hypothesis": "Rollouts from weights up to 3 updates stale (--sync-every 4) at lr 4e-4 make uncorrected PPO collapse on addition "
     "within 60 steps of 64, while the same lr on-policy does not (calibration on seed 900, in the comments above the spec). "
@@ -465,26 +480,7 @@ GRIDS["collapse"] = {
     "tasks": ["addition"],
     "seeds": list(range(10)),
     "steps": {"addition": 60},  # set before running, never after seeing results
-    "base": [
-        "--algo",
-        "ppo",
-        "--rollout-batch",
-        "64",
-        "--lr",
-        "4e-4",
-        "--critic-pretrain",
-        "10",
-        "--eval-every",
-        "10",
-        "--eval-size",
-        "500",
-        "--eval-dtype",
-        "fp32",
-        "--save-every",
-        "20",
-        "--keep-checkpoints",
-        "1",
-    ],
+    "base": COLLAPSE_BASE,
     "arms": {
         "fresh-none": ["--engine-dtype", "fp32", "--sync-every", "1", "--correction", "none"],
         **{
@@ -569,6 +565,164 @@ GRIDS["collapse-flip"] = {
         + ["--tiny", "moe", "--moe-flip", "0.5", "--eval-dtype", "fp32", "--engine-dtype", "fp32"],
     },
 }
+# Issue 41's int4 grid, registered 2026-12-08 before any of its runs: the seed's own kind of mismatch (number formats
+# and kernels), with and without a correction. Calibration, set aside (in no table): the collapse grid's int4-none and
+# fresh-none arms (seeds 0-9, 60 steps, this start model 582ca8f9d3d2fdd8), and int4-none on seeds 900 and 901 to step
+# 120 under a rule written before they ran (N = 120 if either first collapses after step 60, else 80). Held-out greedy
+# accuracy every 10 steps:
+#   seed 900: 34.2 / 24.0 / 12.4 / 7.8 / 6.2 / 1.6 / 1.4 / 1.0 / 1.0 / 0.0 / 0.2 / 0.2 / 0.6 (collapsed at step 10;
+#     k3 1.0e-2 to 9e-2 and 0.6-8% of tokens outside [0.5, 2] as it fell);
+#   seed 901: 34.2 / 35.6 / 33.6 / 43.2 / 42.0 / 40.2 / 48.0 / 39.2 / 35.6 / 29.4 / 8.2 / 5.6 / 5.8 (learned to step 60,
+#     then collapsed at step 100): so 120 steps.
+INT4_HYPOTHESIS = (
+    "The seed's own kind of mismatch, corrected or not: the int4 engine (weights fake-quantised to int4 in groups of 32, "
+    "against the fp32 trainer: number formats and kernels) on-policy (--sync-every 1) at lr 4e-4 on addition, 120 steps of "
+    "64. On this dense start model it measured k3 1.1-1.7e-2 and 1.4% of tokens outside [0.5, 2] in the collapse grid, "
+    "where uncorrected PPO collapsed in 5 of 10 seeds by step 60, gradually; in calibration one seed collapsed by step 10 "
+    "and one learned to step 60 and collapsed at step 100 (the comments above the spec). Predictions: (1) the positive "
+    "control: int4-none collapses in at least 40% of its seeds and CAUSES collapse against fresh-none (the fp32 engine, "
+    "on-policy); (2) int4-tis PREVENTS it against int4-none; (3) int4-icepop PREVENTS it against int4-none. What an int4 "
+    "collapse rides on: inside the band IcePop and TIS weight a token alike (by k = pi_old / pi_infer, M(k) = k for IcePop, "
+    "min(k, 2) for TIS), so the biased in-band majority is reweighted by both; they differ only on the tokens outside it, "
+    "which IcePop drops and TIS keeps (weight k below the band, 2 above). We expect both to prevent the collapse, and "
+    "IcePop's and TIS's collapse counts to lie within 3 of each other; if TIS prevents it and IcePop does not, the collapse "
+    "rides on the out-of-band tokens IcePop discards the gradient of, or on the loss of their signal; if neither does, on "
+    "something weighting by k does not remove. Dose, reported beside the verdicts: each arm's k3 and share of tokens "
+    "outside the band; the per-token records (--token-records 10) say which tokens IcePop masks."
+)
+GRIDS["collapse-int4"] = {
+    "hypothesis": INT4_HYPOTHESIS,
+    "decision_rule": COLLAPSE_RULE.replace("to step 60", "to step 120")
+    .replace("60% of its seeds", "40% of its seeds")
+    .format(control="int4-none")
+    + " Pairs: (int4-none, fresh-none), (int4-icepop, int4-none), (int4-tis, int4-none). Secondary, reported and not "
+    "decisive: the same pairs at margins of 5 and 15 points. Power (Fisher's exact test, two-sided, 0.05, 20 seeds per "
+    "arm, by simulation): 0.90 if the uncorrected arm collapses in 50% of seeds and a corrected one in 5%, 0.75 at 50% "
+    "against 10%, 0.40 at 50% against 20%.",
+    "tasks": ["addition"],
+    "seeds": list(range(100, 120)),  # fresh: the collapse grid used 0-9
+    "steps": {"addition": 120},  # set by the calibration before registering, never after seeing results
+    "base": COLLAPSE_BASE + ["--sync-every", "1", "--token-records", "10"],
+    "arms": {
+        "fresh-none": ["--engine-dtype", "fp32", "--correction", "none"],
+        **{f"int4-{c}": ["--engine-dtype", "int4", "--correction", c] for c in ("none", "icepop", "tis")},
+    },
+    "core": ["int4-none", "int4-icepop", "fresh-none"],
+    "collapse": {
+        **COLLAPSE,
+        "control": "int4-none",
+        "control_share": 0.4,
+        "secondary": [0.05, 0.15],
+        "pairs": [("int4-none", "fresh-none"), ("int4-icepop", "int4-none"), ("int4-tis", "int4-none")],
+    },
+    "nonfinite_is_outcome": True,
+    "quick": {**QUICK, "arms": ["int4-none", "int4-icepop"], "base": QUICK["base"] + ["--eval-dtype", "fp32"]},
+}
+# Issue 41's credit grid where the oracle can win, registered 2026-12-08 before any of its runs. Calibration, set aside
+# (in no table), under a rule written before it ran: the control (reinforce --baseline-window 4, 16 episodes per step) on
+# seeds 1100 and 1101 at lr 3e-4, 6e-4, 1.2e-3 (and 2.4e-3 only if 1.2e-3 qualified); Gain20 = the seed mean of held-out
+# sampled success at step 20 minus step 0, Late = step 40 minus step 30; the largest lr with Gain20 >= 6 and Late >= 3.
+# Held-out sampled success at steps 0 / 10 / 20 / 30 / 40, seeds 1100 and 1101:
+#   3e-4: 42.8 / 41.7 / 42.8 / 43.5 / 44.2 and 42.0 / 44.5 / 46.3 / 49.3 / 52.2 (Gain20 2.2: too slow);
+#   6e-4: 42.8 / 40.7 / 42.8 / 44.2 / 56.0 and 42.0 / 46.3 / 51.7 / 60.8 / 66.3 (Gain20 4.9);
+#   1.2e-3: 42.8 / 43.3 / 55.8 / 68.8 / 70.2 and 42.0 / 53.3 / 60.5 / 62.0 / 67.5 (Gain20 15.8, Late 3.5: qualifies);
+#   2.4e-3: 42.8 / 0.0 / 38.0 / 0.0 / 0.0 and 42.0 / 61.8 / 61.0 / 60.5 / 61.3 (Gain20 7.1, Late 0.4: a plateau, and seed
+#     1100 collapsed to 0): so 1.2e-3.
+# ppo-fit's critic lr, by a rule written after a smoke run (critic lr 6e-3) saw the fitted critic's EV fall from 0.42 to
+# 0.01 in one update, and before these runs: keep the grid's 1e-3 if the median over seeds 1100 and 1101 of the mean
+# critic EV over steps 1-5 is >= 0.30. Per-step EV, steps 1-10: 0.36 0.30 0.50 0.05 0.51 0.05 0.39 0.38 0.42 0.34 and
+# 0.40 0.45 0.38 0.37 0.54 0.31 0.36 0.35 0.50 0.48 (means over 1-5: 0.35 and 0.43): 1e-3 is kept.
+# The fitted critic (docs/lab/credit-b16/critic, its record critic_init.json and critic_fit.json):
+# `bench/value_fit.py --task walk --model <the kept start model> --rollouts 1024 --epochs 8 --lr 1e-3 --seed 0`, held-out
+# EV 0.469 (0.64 of the 0.734 ceiling; 0.62-0.67 at response positions 64 on), above the 0.40 registration bar.
+CREDIT_B16_PAIRS = (
+    ("vine-k16", "reinforce"),
+    ("vine-k4", "reinforce"),
+    ("ppo-fit", "reinforce"),
+    ("ppo", "reinforce"),
+    ("ppo-fit", "ppo"),
+)
+GRIDS["credit-b16"] = {
+    "hypothesis": "Token-level credit speeds up learning on walk when the gradient's noise binds: 16 episodes per step (half "
+    "the credit grid's), 40 steps, at the largest lr the control still climbs with (calibration above the spec), with an "
+    "oracle of about 2.7x the baseline's gradient signal-to-noise (Monte Carlo values from K = 16 continuations per turn "
+    "start; an exact noise model of walk gives 2.3x for K = 4 and 2.9x for exact values) and a critic that knows the values "
+    "from step 1 (fitted offline on 1,024 rollouts of the start policy, held-out EV 0.47, loaded with --critic-init, no "
+    "pretraining). The control is SAO's running-mean baseline over the 4 last rewards of each prompt (--baseline-window 4: "
+    "the credit grid's window 8 at 32 episodes, the same memory in steps). Predictions, on the AUC of held-out sampled "
+    "success: (1) vine-k16, the oracle, is BETTER than reinforce; (2) vine-k4 is BETTER than reinforce, by less than "
+    "vine-k16; (3) ppo-fit (the pre-fitted critic) is BETTER than reinforce; (4) ppo (today's online critic, 10 steps of "
+    "critic pretraining outside the budget) is NULL against reinforce: its critic reached EV 0.07 in 40 steps of the "
+    "credit grid; (5) ppo-fit is BETTER than ppo. The walk start model is the credit grid's (kept in "
+    "docs/lab/credit-b16/start, fingerprint c9ee8615bbd4d40a).",
+    "decision_rule": "Primary endpoint: the AUC of held-out sampled success, the trapezoid mean of the success rate (400 "
+    "test episodes, never trained on, sampled at temperature 1; the same episodes and sampling seeds in every arm) over the "
+    "evaluations at steps 0, 10, 20, 30, 40, in points; one value per run, on the seeds finished in both arms of a "
+    "comparison (paired: seed k gives every arm the same prompt order and sampling seeds). A comparison a vs b is BETTER if "
+    "the mean paired difference a - b is at least 2 points and its 95% t-interval excludes 0; WORSE if at most -2 points "
+    "and the interval excludes 0; otherwise NULL; with fewer than 5 paired seeds NOT JUDGED. Order: (1) the oracle first, "
+    "vine-k16 vs reinforce: if it is not BETTER, the task cannot show a credit effect at this budget and comparisons 2-5 "
+    "are reported as uninformative; (2) vine-k4 vs reinforce; (3) ppo-fit vs reinforce; (4) ppo vs reinforce; (5) "
+    "ppo-fit vs ppo. Manipulation check for the pre-fitted critic: the median over seeds of ppo-fit's critic EV (its mean "
+    "over steps 1-5) is at least 0.30; if not, comparisons 3 and 5 do not test a pre-fitted critic and are reported as uninformative. "
+    "Secondary, not decisive: the same comparisons on the final sampled success (step 40). Power of each comparison (by "
+    "simulation, 20 paired seeds, this rule, a paired SD of 3 points): 0.51 for a true effect of 2 points, 0.77 for 2.5, "
+    "0.93 for 3, 0.99 for 3.5. A null result is reported as one.",
+    "tasks": ["walk"],
+    "seeds": list(range(20)),  # paired; calibration seeds 1100 and 1101 are set aside
+    "steps": {"walk": 40},  # set before running, never after seeing results
+    "base": [
+        *("--rollout-batch", "16", "--critic-lr", "1e-3", "--critic-pretrain", "10", "--engine-dtype", "fp32"),
+        *("--correction", "none", "--eval-every", "10", "--eval-size", "400", "--save-every", "10"),
+        *("--keep-checkpoints", "1", "--token-records", "10"),
+    ],
+    "task_flags": {"walk": ["--lr", "1.2e-3"]},
+    "arms": {
+        "reinforce": ["--algo", "reinforce", "--baseline-window", "4"],
+        "vine-k16": ["--algo", "vine", "--vine-k", "16"],
+        "vine-k4": ["--algo", "vine", "--vine-k", "4"],
+        "ppo-fit": ["--algo", "ppo", "--critic-init", "docs/lab/credit-b16/critic", "--critic-pretrain", "0"],
+        "ppo": ["--algo", "ppo"],
+    },
+    "core": ["vine-k16", "reinforce"],  # the oracle comparison first
+    "points": 2.0,
+    "need": 5,
+    "ceilings": {"walk": "docs/lab/credit/ceiling_walk.json"},
+    "quick": {
+        **QUICK,
+        "tasks": ["walk"],
+        "arms": ["reinforce", "ppo-fit"],
+        "base": QUICK["base"] + ["--engine-dtype", "fp32", "--correction", "none"],
+    },
+}
+
+
+def verdict_credit_b16(stats):
+    """verdict_credit on CREDIT_B16_PAIRS, then the pre-fitted critic's manipulation check (seed-median EV, steps 1-5)."""
+    g = GRIDS["credit-b16"]
+    lines = verdict_credit(stats, g["points"], g["need"], g["ceilings"], REPO, CREDIT_B16_PAIRS)
+    evs = sorted(p["critic_ev_first5"] for p in stats.get("walk", {}).get("ppo-fit", {}).get("seeds", {}).values())
+    if not evs:
+        return lines + ["", "Manipulation check (ppo-fit's critic EV, steps 1-5): no run yet."]
+    median = (evs[(len(evs) - 1) // 2] + evs[len(evs) // 2]) / 2
+    check = f"Manipulation check (ppo-fit's critic EV over steps 1-5, median of {len(evs)} seeds): {median:.2f} against 0.30"
+    if median >= 0.30:
+        return lines + ["", f"{check}: **HOLDS**."]
+    # comparisons 3 and 5 (ppo-fit's) leave the decisive ones: they did not test a pre-fitted critic
+    *body, last = lines
+    if last.startswith("Decisive comparisons"):
+        kept = [d for d in last.split(": ", 1)[1].rstrip(".").split("; ") if "ppo-fit" not in d]
+        last = (
+            f"{last.split(': ', 1)[0]}: {'; '.join(kept)}."
+            if kept
+            else "**Null result** once comparisons 3 and 5 leave."
+        )
+    return body + [
+        last,
+        "",
+        f"{check}: **FAILS**: comparisons 3 and 5 do not test a pre-fitted critic (uninformative).",
+    ]
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train_ppo.py")
@@ -908,12 +1062,17 @@ def run_stats(run, spec=None):
         "auc_sampled": auc(ev, "eval/sampled_acc", S) if whole else NAN,
         "auc_greedy": auc(ev, "eval/greedy_acc", S) if whole else NAN,
         "critic_ev_last": mean("critic/explained_variance", S - w + 1, S),
+        "critic_ev_first5": mean("critic/explained_variance", 1, 5),  # credit-b16's manipulation check
         "vine_ev_last": mean("vine/explained_variance", S - w + 1, S),
         "identical": mean("grpo/identical_reward_frac", 1, S),
         "vine_extra": mean("vine/extra_token_ratio", 1, S),
         **(
             {
                 "collapse": collapse_step(rows, spec["key"], spec["margin"], run.get("nonfinite_step")),
+                **{  # a grid's secondary margins (collapse-int4), reported beside the registered one
+                    f"collapse_{m:g}": collapse_step(rows, spec["key"], m, run.get("nonfinite_step"))
+                    for m in spec.get("secondary", ())
+                },
                 "ess_warn": first_crossing(rows, "mismatch/seq_ess", spec["ess"]),
                 "logk_warn": first_crossing(rows, "mismatch/abs_diff_max", spec["logk"], below=False),
             }
@@ -1040,7 +1199,8 @@ def verdict_collapse(stats, spec):
     (2) each (arm, reference) of spec["pairs"]: PREVENTS if the arm collapses less often with Fisher's exact p <
     spec["alpha"], CAUSES if more often with p < alpha, else NULL (fewer than spec["need"] seeds in either: NOT JUDGED);
     the pairs are uninformative where the control fails. Beside them, the early warnings of each collapse: did the
-    sequence ESS fall below spec["ess"], or max |log k| rise above spec["logk"], before (or at) the collapse step?"""
+    sequence ESS fall below spec["ess"], or max |log k| rise above spec["logk"], before (or at) the collapse step? And
+    with spec["secondary"] (margins), the same pairs' counts and Fisher's p at each of those margins, not decisive."""
     lines, decided, judged = [], [], False
     for task, arms in stats.items():
 
@@ -1092,6 +1252,21 @@ def verdict_collapse(stats, spec):
                 f"- {a} vs {ref}: **{v}** (collapsed {cx} of {len(x)} against {cy} of {len(y)}; Fisher's exact p = {pval:.3g})"
                 + ("" if informative else ", uninformative: the positive control fails")
             )
+        for m in spec.get("secondary", ()):
+            cells = []
+            for a in dict.fromkeys(x for pair in spec["pairs"] for x in pair):
+                per = list(arms.get(a, {}).get("seeds", {}).values())
+                cells.append(f"{a} {sum(p[f'collapse_{m:g}'] is not None for p in per)} of {len(per)}")
+            tests = []
+            for a, ref in spec["pairs"]:
+                x, y = ([p[f"collapse_{m:g}"] for p in arms.get(k, {}).get("seeds", {}).values()] for k in (a, ref))
+                if min(len(x), len(y)) >= spec["need"]:
+                    cx, cy = sum(s is not None for s in x), sum(s is not None for s in y)
+                    tests.append(f"{a} vs {ref} p = {fisher_exact(cx, len(x) - cx, cy, len(y) - cy):.3g}")
+            lines.append(
+                f"- secondary, not decisive: at a margin of {100 * m:g} points, collapsed {', '.join(cells)}"
+                + (f"; {', '.join(tests)}" if tests else "")
+            )
         lines.append("")
     if decided:
         return lines + [f"Decisive comparisons: {'; '.join(decided)}."]
@@ -1115,6 +1290,8 @@ VERDICTS = {
     ),
     "collapse": lambda stats: verdict_collapse(stats, GRIDS["collapse"]["collapse"]),
     "collapse-flip": lambda stats: verdict_collapse(stats, GRIDS["collapse-flip"]["collapse"]),
+    "collapse-int4": lambda stats: verdict_collapse(stats, GRIDS["collapse-int4"]["collapse"]),
+    "credit-b16": lambda stats: verdict_credit_b16(stats),
 }
 
 

@@ -106,13 +106,14 @@ def load_ceiling(path):
         return json.load(f)
 
 
-def verdict_credit(stats, points=2.0, need=5, ceilings=None, root=""):
+def verdict_credit(stats, points=2.0, need=5, ceilings=None, root="", pairs=CREDIT):
     """The credit grid's comparisons, per task: paired seed differences (lab_stats.paired) of the AUC of held-out
     sampled success (primary) and of final sampled success (secondary), judged by lab_stats.judge; the oracle pair
     first. Beside each arm: its EV over the last 20% of steps (critic's, or vine's Monte Carlo values') against the
     task's perfect-critic ceiling (ceilings: {task: path of bench/value_ceiling.py's --out JSON, under root}), GRPO's
     identical-reward groups and vine's extra tokens. stats: {task: {arm: bench/lab.py's arm_stats(runs)}}, the ci95
-    triples of run_stats' keys and "seeds": {seed: run_stats(run)}."""
+    triples of run_stats' keys and "seeds": {seed: run_stats(run)}. pairs: the comparisons in order, the oracle's
+    first (default: the credit grid's, CREDIT)."""
 
     def fmt(x, spec):
         return "-" if not finite(x) else format(x, spec)
@@ -154,9 +155,9 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None, root=""):
         oracle = None
         judged |= {
             judge(paired(seeds(a, "auc_sampled"), seeds(b, "auc_sampled"))[1], points, need) != "NOT JUDGED"
-            for a, b in CREDIT
+            for a, b in pairs
         }
-        for i, (a, b) in enumerate(CREDIT, 1):
+        for i, (a, b) in enumerate(pairs, 1):
             for key, kind in (
                 ("auc_sampled", "AUC of held-out sampled success"),
                 ("final_sampled", "final sampled success (secondary)"),
@@ -178,13 +179,14 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None, root=""):
                 )
             if i == 1 and oracle == "NOT JUDGED":
                 lines.append(
-                    f"- **{task}: the oracle is not judged yet** (under {need} paired seeds): comparisons 2-4 on it are "
-                    "uninformative until it is (printed below for the record)."
+                    f"- **{task}: the oracle is not judged yet** (under {need} paired seeds): comparisons 2-{len(pairs)} on "
+                    "it are uninformative until it is (printed below for the record)."
                 )
             elif i == 1 and oracle != "BETTER":
                 lines.append(
-                    f"- **{task} cannot show a credit effect**: vine (the oracle) is not BETTER than reinforce ({oracle}); "
-                    "comparisons 2-4 on it are uninformative (printed below for the record)."
+                    f"- **{task} cannot show a credit effect**: {pairs[0][0]} (the oracle) is not BETTER than "
+                    f"{pairs[0][1]} ({oracle}); comparisons 2-{len(pairs)} on it are uninformative (printed below for the "
+                    "record)."
                 )
         lines.append("")
     if decided:

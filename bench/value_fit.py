@@ -21,6 +21,7 @@ split, the head-free init and the minibatch order; the same command prints the s
     .venv/bin/python bench/value_fit.py --rollouts 8192 --epochs 3 --lr 3e-4 --critic-context answer
     .venv/bin/python bench/value_fit.py --ceiling /tmp/ceiling.json --out /tmp/fit.json
     .venv/bin/python bench/value_fit.py --model PATH --task math.jsonl --reward math --rollouts 1024
+    .venv/bin/python bench/value_fit.py --rollouts 1024 --save /tmp/critic   # then train_ppo.py --critic-init /tmp/critic
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from update import micro  # noqa: E402
 from value_model import context_ids, critic_batch  # noqa: E402
 from embedded_engine import EmbeddedEngine  # noqa: E402
 from rollout import Sampling  # noqa: E402
-from value_model import build_critic, set_head_to_mean  # noqa: E402
+from value_model import build_critic, save_fitted_critic, set_head_to_mean  # noqa: E402
+from checkpoint import sha256_path  # noqa: E402
 
 
 def sample(
@@ -216,6 +218,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--ceiling", default="", help="bench/value_ceiling.py --out JSON to print beside the fit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="also write the figures as JSON here")
+    ap.add_argument(
+        "--save",
+        default="",
+        help="also save the fitted critic here, as the folder train_ppo.py --critic-init starts from (with its record: "
+        "the base model's sha256, the critic context, this fit's settings and held-out EV)",
+    )
     args = ap.parse_args(argv)
     for bad, msg in (
         (args.rollouts < 2, "--rollouts must be >= 2"),
@@ -226,6 +234,7 @@ def main(argv=None) -> dict:
         (not args.temperature > 0, "--temperature must be > 0"),
         (args.max_new_tokens < 0, "--max-new-tokens must be >= 0"),
         (args.ceiling and not os.path.isfile(args.ceiling), f"--ceiling {args.ceiling!r}: no such file"),
+        (args.save and os.path.exists(args.save), f"--save {args.save!r} exists: give a new folder"),
     ):
         if bad:
             ap.error(msg)
@@ -302,6 +311,12 @@ def main(argv=None) -> dict:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+    if args.save:
+        record = {k: v for k, v in out.items() if k not in ("history", "critic_context")}
+        save_fitted_critic(
+            critic, args.save, base_sha256=sha256_path(model), critic_context=args.critic_context, **record
+        )
+        print(f"saved the fitted critic to {args.save} (train_ppo.py --critic-init {args.save})")
     return out
 
 

@@ -58,6 +58,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --critic-pretrain 100 \
   --no-freeze-critic-attention \
   --critic-context policy \
+  --critic-init "" \
   --value-clip 0.2 \
   --lora-rank 0 \
   --lora-alpha 16.0 \
@@ -93,4 +94,5 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train
   --save-every 50 \
   --keep-checkpoints 2 \
   --report-to none \
+  --token-records 0 \
   "$@"

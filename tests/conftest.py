@@ -1,6 +1,6 @@
 """What the test files share: paths, the subprocess environment, a small run config, runners for the CLI and torchrun,
-the metrics reader, a plain explained variance, the trainer's log-prob recompute, the tiny default model, and the hooks
-that make the markers act.
+the metrics and token-records readers, a plain explained variance, the trainer's log-prob recompute, the tiny default
+model, and the hooks that make the markers act.
 
 Markers (pytest.ini, --strict-markers):
     e2e       a training run (train_ppo.main, a default model's warm-up), a subprocess job (train_ppo.py, bench/
@@ -179,6 +179,14 @@ def trainer_logp(model, ro, s=None, pad_id: int = 0) -> torch.Tensor:
         ).logits
     kw = {} if s is None else dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
     return logprobs.token_logprobs(logits[:, b.response_start - 1 : -1], ro.tokens.to(dev), **kw).cpu()
+
+
+def token_records(out):
+    """--token-records' files of a run folder as one DataFrame, in (step, row, position) order."""
+    import pandas as pd
+
+    files = sorted((out / "tokens").glob("step_*.parquet"))
+    return pd.concat([pd.read_parquet(f) for f in files]).sort_values(["step", "row", "position"], ignore_index=True)
 
 
 @pytest.fixture(scope="session")

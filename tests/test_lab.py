@@ -573,3 +573,74 @@ def test_verdict_collapse_on_hand_made_runs():
     )
     assert "NOT JUDGED (too few seeds)" in few and "icepop vs none: NOT JUDGED (3 and 3 seeds; 5 needed)" in few
     assert few.endswith("**Not judged**: no comparison has enough seeds yet.")
+
+
+def test_verdict_collapse_secondary_margins_by_hand():
+    """With spec["secondary"] the pairs are counted again at each margin, beside (not in) the decision: icepop's three
+    7-point drops count at 5 points and not at 10; at 25 points only none's 30-point drops do."""
+    spec = {
+        "key": "eval/greedy_acc",
+        "margin": 0.10,
+        "secondary": [0.05, 0.25],
+        "ess": 0.5,
+        "logk": 2.0,
+        "control": "none",
+        "control_share": 0.6,
+        "pairs": [("icepop", "none")],
+        "alpha": 0.05,
+        "need": 5,
+    }
+
+    def run(seed, drop=0.0):
+        rows = [{"step": 0, "eval/greedy_acc": 0.4, "eval/sampled_acc": 0.3}]
+        rows += [{"step": s, "mismatch/seq_ess": 0.9, "mismatch/abs_diff_max": 1.0} for s in range(1, 21)]
+        rows += [{"step": s, "eval/greedy_acc": 0.4 - drop, "eval/sampled_acc": 0.3} for s in (10, 20)]
+        return {"seed": seed, "steps": 20, "rows": sorted(rows, key=lambda r: r["step"]), "nonfinite_step": None}
+
+    arms = {
+        "none": [run(s, 0.3 if s < 8 else 0.0) for s in range(10)],
+        "icepop": [run(s, 0.07 if s < 3 else 0.0) for s in range(10)],
+    }
+    text = "\n".join(lab.verdict_collapse({"t": {a: lab.arm_stats(rs, spec) for a, rs in arms.items()}}, spec))
+    assert "- icepop vs none: **PREVENTS** (collapsed 0 of 10 against 8 of 10" in text
+    assert (
+        "- secondary, not decisive: at a margin of 5 points, collapsed icepop 3 of 10, none 8 of 10; icepop vs none "
+        f"p = {lab.fisher_exact(3, 7, 8, 2):.3g}" in text
+    )
+    assert "at a margin of 25 points, collapsed icepop 0 of 10, none 8 of 10" in text
+    assert text.endswith("Decisive comparisons: t: icepop PREVENTS collapse against none.")
+
+
+def test_verdict_credit_b16_manipulation_check_by_hand():
+    """credit-b16's verdict: the credit rule on its five pairs (the K = 16 oracle first), then the pre-fitted critic's
+    check: with ppo-fit's early EV at 0.5 it HOLDS and ppo-fit's wins are decisive; at 0.1 it FAILS and they leave."""
+
+    def run(seed, gain, ev=None):
+        rows = [{"step": 0, "eval/greedy_acc": 0.4, "eval/sampled_acc": 0.4}]
+        rows += [{"step": s, **({"critic/explained_variance": ev} if ev is not None else {})} for s in range(1, 41)]
+        noise = 0.004 * (seed % 3)  # paired differences that vary a little between seeds
+        for s in (10, 20, 30, 40):
+            acc = 0.4 + (gain + noise) * s / 40
+            rows.append({"step": s, "eval/greedy_acc": acc, "eval/sampled_acc": acc})
+        return {"seed": seed, "steps": 40, "rows": sorted(rows, key=lambda r: r["step"]), "nonfinite_step": None}
+
+    def verdict(fit_ev):
+        gains = {"reinforce": 0.10, "vine-k16": 0.25, "vine-k4": 0.18, "ppo-fit": 0.25, "ppo": 0.10}
+        stats = {
+            "walk": {
+                a: lab.arm_stats(
+                    [run(s, g, fit_ev if a == "ppo-fit" else 0.0 if a == "ppo" else None) for s in range(6)]
+                )
+                for a, g in gains.items()
+            }
+        }
+        return "\n".join(lab.verdict_credit_b16(stats))
+
+    held = verdict(0.5)
+    assert "- (1) vine-k16 vs reinforce, AUC of held-out sampled success: **BETTER**" in held
+    assert "- (5) ppo-fit vs ppo, AUC of held-out sampled success: **BETTER**" in held
+    assert "median of 6 seeds): 0.50 against 0.30: **HOLDS**." in held and "ppo-fit BETTER than reinforce" in held
+    failed = verdict(0.1)
+    assert "0.10 against 0.30: **FAILS**: comparisons 3 and 5 do not test a pre-fitted critic" in failed
+    decisive = next(line for line in failed.splitlines() if line.startswith("Decisive comparisons"))
+    assert "vine-k16 BETTER than reinforce" in decisive and "ppo-fit" not in decisive

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ENV, REPO, read_metrics, sigkill_at, small, start_train, torchrun, train_cli
+from conftest import ENV, REPO, read_metrics, sigkill_at, small, start_train, token_records, torchrun, train_cli
 from data.rewards import Scores, score
 from data.tasks import Task
 import datasets
@@ -106,6 +106,27 @@ def _first_sample(out):
         return json.loads(f.readline())
 
 
+def _token_records_agree(row, out, critic: bool):
+    """--token-records 1: the step's file holds every model token once, and recomputes the step's own metrics: the
+    response length, the reward, k3 and the band's masked fraction (losses.mismatch_metrics) from its columns; IcePop's
+    weight is k inside the band and 0 outside; the critic's columns are null without a critic."""
+    import numpy as np
+
+    d = token_records(out)
+    assert sorted(os.listdir(out / "tokens")) == ["step_000001-dp0.parquet"]
+    assert not d.duplicated(["row", "position"]).any() and (d.step == 1).all()
+    per_row = d.groupby("row")
+    assert per_row.size().mean() == pytest.approx(row["rollout/response_len_mean"], rel=1e-6)
+    assert per_row.reward.first().mean() == pytest.approx(row["rollout/reward_mean"], rel=1e-6)
+    log_k = (d.trainer_logp - d.engine_logp).astype(np.float64)
+    assert np.allclose(d.ratio, np.exp(log_k), rtol=1e-5)
+    assert (np.exp(log_k) - 1 - log_k).mean() == pytest.approx(row["mismatch/k3"], rel=1e-4)
+    assert (d.side != "in").mean() == pytest.approx(row["mismatch/masked_frac"], rel=1e-6)
+    keep = (d.side == "in") & d.trained  # IcePop's M(k): k inside the band, 0 outside it and on untrained tokens
+    assert np.allclose(d.weight, np.where(keep, d.ratio, 0.0), rtol=1e-6)
+    return d.value.notna().all() == critic and d["return"].notna().all() == critic
+
+
 # Each switch of the recipe, one step through the whole loop, and what it does that the default run does not.
 OPTIONS = {
     "tis": (
@@ -131,10 +152,13 @@ OPTIONS = {
     # A coarser engine shows in the mismatch. The default model's build differs across CPUs, and so do these k3 figures:
     # bf16 measured 2.7e-4 on one and 1.2e-4 on another, fp8 5.3e-3 and 8.8e-4, int4 + an fp8 KV cache 2.5e-2 and
     # 3.1e-3; a band of +-10% masks some of int4's tokens (bf16: none).
-    "dr-grpo-fp8": (
-        dict(algo="grpo", grpo_std=False, agg="seq-mean-token-sum-norm", engine_dtype="fp8"),
+    "dr-grpo-fp8-token-records": (
+        dict(algo="grpo", grpo_std=False, agg="seq-mean-token-sum-norm", engine_dtype="fp8", token_records=1),
         lambda row, out: (
-            "grpo/identical_reward_frac" in row and "critic/value_loss" not in row and row["mismatch/k3"] > 4e-4
+            "grpo/identical_reward_frac" in row
+            and "critic/value_loss" not in row
+            and row["mismatch/k3"] > 4e-4
+            and _token_records_agree(row, out, critic=False)
         ),
     ),
     "frozen-critic-attention-top-p": (
@@ -145,9 +169,20 @@ OPTIONS = {
         dict(task="sort", rollout_batch=8, micro_batch=4),
         lambda row, out: _first_sample(out)["prompt"].startswith("sort: "),
     ),
-    "int4-fp8-kv-fp32-eval": (
-        dict(engine_dtype="int4", kv_cache_dtype="fp8", eval_dtype="fp32", icepop_low=0.9, icepop_high=1.1),
-        lambda row, out: row["mismatch/k3"] > 1e-3 and row["mismatch/masked_frac"] > 0,
+    "int4-fp8-kv-fp32-eval-token-records": (
+        dict(
+            engine_dtype="int4",
+            kv_cache_dtype="fp8",
+            eval_dtype="fp32",
+            icepop_low=0.9,
+            icepop_high=1.1,
+            token_records=1,
+        ),
+        lambda row, out: (
+            row["mismatch/k3"] > 1e-3
+            and row["mismatch/masked_frac"] > 0
+            and _token_records_agree(row, out, critic=True)
+        ),
     ),
 }
 
@@ -267,16 +302,18 @@ SIGKILL_ARGS = [
     "--critic-pretrain",
     "3",
     "--deterministic",
+    "--token-records",
+    "1",
 ]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The metrics of the run the SIGKILL tests are held to, run once for both kill points."""
+    """The metrics and per-token records of the run the SIGKILL tests are held to, run once for both kill points."""
     out = tmp_path_factory.mktemp("uninterrupted")
     ref = train_cli(*SIGKILL_ARGS, "--out-dir", out)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    return rows(out)
+    return rows(out), token_records(out)
 
 
 @pytest.mark.e2e
@@ -296,7 +333,8 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, kill_after_lines, uni
         out = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0, out
     assert "resuming at step" in out or kill_after_lines == 3
-    assert rows(tmp_path / "run") == uninterrupted
+    assert rows(tmp_path / "run") == uninterrupted[0]
+    assert token_records(tmp_path / "run").equals(uninterrupted[1])  # a redone step's file is rewritten, not kept
 
 
 # ----------------------------------------------------------------------------- precision and memory
@@ -519,6 +557,8 @@ STEP_ARGS = [
     "fp32",
     "--micro-batch",
     "8",
+    "--token-records",
+    "1",
 ]
 # No separate tp=2 or dp=2-with-FSDP launch: both run inside tp2-dp2-fsdp's (TP-sharded policy and critic, FSDP over dp),
 # the world-2 FSDP step again in 2-nodes-fsdp's, and every metric under TP in the two tp2 modes.
@@ -572,6 +612,14 @@ def test_torchrun_step_equals_single_process(tmp_path, mode, single_process):
     for k in exact:
         # fp32 noise (1e-6) shows in the mismatch metrics, and can move a token across a clip boundary.
         assert b[k] == pytest.approx(a[k], rel=1e-3, abs=5e-3 if "frac" in k else 1e-5), k
+    # The per-token records: each rank wrote its rows (TP peers none), numbered as in the one-process batch.
+    ta, tb = token_records(single), token_records(tmp_path / "par")
+    assert len(os.listdir(tmp_path / "par" / "tokens")) == (1 if mode.startswith("tp2") and "dp2" not in mode else 2)
+    for col in ta:
+        if ta[col].dtype.kind == "f":  # null in both where the run has no such figure (GRPO's values)
+            assert (((tb[col] - ta[col]).abs() < 1e-4) | (ta[col].isna() & tb[col].isna())).all(), col
+        elif col != "side":  # a ratio within fp32 noise of a band's edge may change side; the ratio itself is held
+            assert ta[col].equals(tb[col]), col
     # Adam's first step moves every weight by about lr * sign(grad), so where a gradient is within a few eps
     # of zero, summation-order rounding (~1e-10) moves that weight by a fraction of lr. Observed: max
     # 0.15 lr on under 0.05% of the entries; a wrong or unreduced gradient flips many entries by 2 lr. Entries the
