@@ -519,32 +519,7 @@ GRIDS["collapse-flip"] = {
     "tasks": ["addition"],
     "seeds": list(range(10)),
     "steps": {"addition": 60},  # set before running, never after seeing results
-    "base": [
-        "--tiny",
-        "moe",
-        "--algo",
-        "ppo",
-        "--rollout-batch",
-        "64",
-        "--lr",
-        "4e-4",
-        "--critic-pretrain",
-        "10",
-        "--eval-every",
-        "10",
-        "--eval-size",
-        "500",
-        "--eval-dtype",
-        "fp32",
-        "--save-every",
-        "20",
-        "--keep-checkpoints",
-        "1",
-        "--engine-dtype",
-        "fp32",
-        "--moe-flip",
-        "0.5",
-    ],
+    "base": ["--tiny", "moe", *COLLAPSE_BASE, "--engine-dtype", "fp32", "--moe-flip", "0.5"],
     "arms": {
         "flip-none": ["--correction", "none"],
         "flip-icepop": ["--correction", "icepop"],
@@ -698,30 +673,25 @@ GRIDS["credit-b16"] = {
 
 
 def verdict_credit_b16(stats):
-    """verdict_credit on CREDIT_B16_PAIRS, then the pre-fitted critic's manipulation check (seed-median EV, steps 1-5)."""
+    """verdict_credit on CREDIT_B16_PAIRS after the pre-fitted critic's manipulation check (the seed median of ppo-fit's
+    mean critic EV over steps 1-5 >= 0.30): where it fails, comparisons 3 and 5 (ppo-fit's) are uninformative."""
     g = GRIDS["credit-b16"]
-    lines = verdict_credit(stats, g["points"], g["need"], g["ceilings"], REPO, CREDIT_B16_PAIRS)
     evs = sorted(p["critic_ev_first5"] for p in stats.get("walk", {}).get("ppo-fit", {}).get("seeds", {}).values())
     if not evs:
-        return lines + ["", "Manipulation check (ppo-fit's critic EV, steps 1-5): no run yet."]
-    median = (evs[(len(evs) - 1) // 2] + evs[len(evs) // 2]) / 2
-    check = f"Manipulation check (ppo-fit's critic EV over steps 1-5, median of {len(evs)} seeds): {median:.2f} against 0.30"
-    if median >= 0.30:
-        return lines + ["", f"{check}: **HOLDS**."]
-    # comparisons 3 and 5 (ppo-fit's) leave the decisive ones: they did not test a pre-fitted critic
-    *body, last = lines
-    if last.startswith("Decisive comparisons"):
-        kept = [d for d in last.split(": ", 1)[1].rstrip(".").split("; ") if "ppo-fit" not in d]
-        last = (
-            f"{last.split(': ', 1)[0]}: {'; '.join(kept)}."
-            if kept
-            else "**Null result** once comparisons 3 and 5 leave."
+        check, failed = "Manipulation check (ppo-fit's critic EV, steps 1-5): no run yet.", False
+    else:
+        median = (evs[(len(evs) - 1) // 2] + evs[len(evs) // 2]) / 2
+        failed = median < 0.30
+        check = (
+            f"Manipulation check (ppo-fit's critic EV over steps 1-5, median of {len(evs)} seeds): {median:.2f} against "
+            + (
+                "0.30: **FAILS**: comparisons 3 and 5 do not test a pre-fitted critic (uninformative)."
+                if failed
+                else "0.30: **HOLDS**."
+            )
         )
-    return body + [
-        last,
-        "",
-        f"{check}: **FAILS**: comparisons 3 and 5 do not test a pre-fitted critic (uninformative).",
-    ]
+    skip = {3: "the manipulation check fails", 5: "the manipulation check fails"} if failed else {}
+    return verdict_credit(stats, g["points"], g["need"], g["ceilings"], REPO, CREDIT_B16_PAIRS, skip) + ["", check]
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -106,14 +106,14 @@ def load_ceiling(path):
         return json.load(f)
 
 
-def verdict_credit(stats, points=2.0, need=5, ceilings=None, root="", pairs=CREDIT):
+def verdict_credit(stats, points=2.0, need=5, ceilings=None, root="", pairs=CREDIT, uninformative=None):
     """The credit grid's comparisons, per task: paired seed differences (lab_stats.paired) of the AUC of held-out
     sampled success (primary) and of final sampled success (secondary), judged by lab_stats.judge; the oracle pair
     first. Beside each arm: its EV over the last 20% of steps (critic's, or vine's Monte Carlo values') against the
     task's perfect-critic ceiling (ceilings: {task: path of bench/value_ceiling.py's --out JSON, under root}), GRPO's
     identical-reward groups and vine's extra tokens. stats: {task: {arm: bench/lab.py's arm_stats(runs)}}, the ci95
     triples of run_stats' keys and "seeds": {seed: run_stats(run)}. pairs: the comparisons in order, the oracle's
-    first (default: the credit grid's, CREDIT)."""
+    first (default: the credit grid's, CREDIT). uninformative: {comparison number: why}, reported and never decisive."""
 
     def fmt(x, spec):
         return "-" if not finite(x) else format(x, spec)
@@ -165,7 +165,10 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None, root="", pairs=CRED
                 _, c = paired(seeds(a, key), seeds(b, key))
                 v = judge(c, points, need)
                 oracle = v if i == 1 and key == "auc_sampled" else oracle
-                informative = i == 1 or oracle == "BETTER"
+                why = (uninformative or {}).get(i) or (
+                    None if i == 1 or oracle == "BETTER" else "the oracle is not BETTER"
+                )
+                informative = why is None
                 if key == "auc_sampled" and informative and v in ("BETTER", "WORSE"):
                     decided.append(f"{task}: {a} {v} than {b}")
                 diff = (
@@ -174,8 +177,7 @@ def verdict_credit(stats, points=2.0, need=5, ceilings=None, root="", pairs=CRED
                     else "no seeds finished in both arms"
                 )
                 lines.append(
-                    f"- ({i}) {a} vs {b}, {kind}: **{v}** ({diff})"
-                    + ("" if informative else ", uninformative: the oracle is not BETTER")
+                    f"- ({i}) {a} vs {b}, {kind}: **{v}** ({diff})" + ("" if informative else f", uninformative: {why}")
                 )
             if i == 1 and oracle == "NOT JUDGED":
                 lines.append(
